@@ -1,0 +1,197 @@
+"""quantize() / dequantize(): the torch-facing API of the packed format.
+
+The byte format and the kernels live in ``actune_kernels`` (no torch there). This module
+allocates every buffer with torch, so the caching allocator and torch's memory statistics see
+all of it, hands the buffers to the Numba kernels (NumPy views on the CPU, zero-copy
+``__cuda_array_interface__`` views on CUDA, launched on torch's current stream), and registers
+both steps as ``torch.library`` custom ops with fake (shape-only) implementations, so code that
+calls them runs under ``FakeTensorMode`` and passes ``torch.library.opcheck``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from actune_kernels import layout
+
+__all__ = ["PackedTensor", "dequantize", "quantize"]
+
+_SEED_RANGE = 2**31 - 1
+_KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """A tensor quantized to ``bits`` per element, in groups of ``group_size``.
+
+    ``codes`` holds the packed codes, ``meta`` two 16-bit words per group (see
+    ``actune_kernels.layout``); ``shape``, ``dtype`` and ``stride`` describe the original tensor.
+    """
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+    bits: int
+    group_size: int
+    shape: torch.Size
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte held: codes and metadata."""
+        return self.codes.nbytes + self.meta.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per original element, metadata and padding included."""
+        return 8 * self.nbytes / max(self.numel(), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel dispatch: CPU through NumPy views, CUDA through __cuda_array_interface__.
+
+
+def _draw_seed() -> int:
+    return int(torch.randint(0, _SEED_RANGE, (), device="cpu").item())
+
+
+def _cuda_launch(fn, *tensors, **kw):
+    from numba import cuda
+
+    arrays = [cuda.as_cuda_array(t, sync=False) for t in tensors]
+    arrays = [a.view(np.uint16) if a.dtype == np.int16 else a for a in arrays]
+    stream = cuda.external_stream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
+    fn(*arrays, stream=stream, **kw)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    a = t.detach().numpy()
+    return a.view(np.uint16) if a.dtype == np.int16 else a
+
+
+@torch.library.custom_op("actune::pack", mutates_args=())
+def _pack_op(x: torch.Tensor, bits: int, group_size: int, seed: int,
+             stochastic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack a 1-D tensor; ``seed`` < 0 draws one from torch's default generator."""
+    n = x.numel()
+    codes = torch.empty(layout.codes_nbytes(n, bits, group_size), dtype=torch.uint8,
+                        device=x.device)
+    meta = torch.empty((layout.num_groups(n, group_size), 2), dtype=torch.int16, device=x.device)
+    if n == 0:
+        return codes, meta
+    if seed < 0:
+        seed = _draw_seed()
+    src = x if x.dtype in _KERNEL_DTYPES else x.float()
+    if x.device.type == "cuda":
+        from actune_kernels import cuda as kernels
+
+        _cuda_launch(lambda a, c, m, stream: kernels.pack(a, c, m, bits, group_size, seed, 0,
+                                                           stochastic, stream=stream),
+                     src, codes, meta)
+    elif x.device.type == "cpu":
+        from actune_kernels import cpu as kernels
+
+        kernels.pack(_numpy(src), _numpy(codes), _numpy(meta), bits, group_size, seed, 0,
+                     stochastic)
+    else:
+        raise NotImplementedError(f"actune has kernels for CPU and CUDA tensors, not {x.device}")
+    return codes, meta
+
+
+@_pack_op.register_fake
+def _(x, bits, group_size, seed, stochastic):
+    n = x.numel()
+    groups = -(-n // group_size)
+    codes = x.new_empty((groups * (group_size * bits // 8),), dtype=torch.uint8)
+    meta = x.new_empty((groups, 2), dtype=torch.int16)
+    return codes, meta
+
+
+@torch.library.custom_op("actune::unpack", mutates_args=())
+def _unpack_op(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
+               numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize to a 1-D tensor of ``numel`` elements of ``dtype``."""
+    work = dtype if dtype in _KERNEL_DTYPES else torch.float32
+    out = torch.empty(numel, dtype=work, device=codes.device)
+    if numel:
+        if codes.device.type == "cuda":
+            from actune_kernels import cuda as kernels
+
+            _cuda_launch(lambda c, m, o, stream: kernels.unpack(c, m, bits, group_size, o,
+                                                                 stream=stream),
+                         codes, meta, out)
+        else:
+            from actune_kernels import cpu as kernels
+
+            kernels.unpack(_numpy(codes), _numpy(meta), bits, group_size, _numpy(out))
+    return out if work == dtype else out.to(dtype)
+
+
+@_unpack_op.register_fake
+def _(codes, meta, bits, group_size, numel, dtype):
+    return codes.new_empty((numel,), dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API.
+
+
+def _storage_order(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` permuted so that its memory order is row-major, or None if it is not dense."""
+    if x.is_contiguous():
+        return x
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.size(d)))
+    permuted = x.permute(order)
+    return permuted if permuted.is_contiguous() else None
+
+
+def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GROUP_SIZE,
+             seed: int | None = None, stochastic: bool = True) -> PackedTensor:
+    """Quantize a floating tensor to ``bits`` (1, 2, 4 or 8) per element.
+
+    Groups of ``group_size`` consecutive elements (in memory order) share a 16-bit minimum and
+    step. Stochastic rounding (the default) is unbiased: ``E[dequantize(quantize(x))] == x``.
+    ``seed`` fixes the rounding; by default it is drawn from torch's default generator, so
+    ``torch.manual_seed`` makes runs repeatable. ``stochastic=False`` rounds to nearest.
+    Dense layouts (contiguous, channels_last, any permutation) are packed without a copy and
+    restored by :func:`dequantize`; other strided tensors are copied first. Groups holding NaN
+    or inf dequantize to NaN.
+    """
+    layout.check_bits(bits)
+    layout.check_group_size(group_size)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {type(x).__name__}"
+                        + (f" of {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+    if seed is not None and not 0 <= seed < 2**62:
+        raise ValueError(f"seed must be in [0, 2**62), got {seed}")
+    x = x.detach()
+    dense = _storage_order(x)
+    if dense is None:  # overlapping or with gaps: pack a row-major copy
+        dense = x.contiguous()
+        stride = dense.stride()
+    else:  # packed in memory order; dequantize restores these strides
+        stride = x.stride()
+    codes, meta = _pack_op(dense.reshape(-1), bits, group_size,
+                           -1 if seed is None else seed, stochastic)
+    return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(stride))
+
+
+def dequantize(p: PackedTensor) -> torch.Tensor:
+    """The tensor ``p`` was made from, up to quantization error: same shape, dtype, device and
+    memory layout (strides)."""
+    flat = _unpack_op(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype)
+    out = flat.as_strided(p.shape, p.stride)
+    return out

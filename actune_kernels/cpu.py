@@ -1,0 +1,210 @@
+"""Numba CPU kernels: parallel over groups, one pass over the input.
+
+Each group is read into cache once for its min and max, then quantized and packed while it is
+still there. The loops over whole bytes are small functions called with constant ``bits``, so
+LLVM specialises them per width (unrolled, vectorized); a slow, general loop handles the last
+partial group and groups whose random stream crosses a 2**32 boundary.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from . import layout
+from .scalar import INV_2_24, MASK32, build
+
+_s = build(numba.njit(inline="always"))
+_mix32 = _s.mix32
+_stream_key = _s.stream_key
+_group_meta = _s.group_meta
+_meta_values = _s.meta_values
+
+_jit = numba.njit(cache=True, nogil=True)
+#: Unsigned view and exponent mask per input dtype (an all-ones exponent is NaN or inf).
+_EXPONENT = {
+    np.dtype(np.float32): (np.uint32, np.uint32(0x7F800000)),
+    np.dtype(np.float64): (np.uint64, np.uint64(0x7FF0000000000000)),
+}
+
+
+@numba.njit(fastmath=True, nogil=True, cache=True)
+def _min_max(xs, words, exponent):  # pragma: no cover - jitted
+    """Min, max and whether any element is NaN or inf, of a non-empty group.
+
+    ``words`` is ``xs`` viewed as unsigned integers and ``exponent`` the exponent mask of the
+    dtype: an all-ones exponent is NaN or inf. Checked on the integers, so fast-math (which
+    lets the min/max loop vectorize) cannot fold the check away.
+    """
+    mn = xs[0]
+    mx = xs[0]
+    bad = False
+    for i in range(xs.size):
+        v = xs[i]
+        mn = min(mn, v)
+        mx = max(mx, v)
+        bad |= (words[i] & exponent) == exponent
+    return mn, mx, bad
+
+
+@numba.njit(inline="always")
+def _clamp(c, top):  # pragma: no cover - jitted
+    return np.uint8(min(max(c, top - top), top))
+
+
+@_jit
+def _bytes_stochastic(xs, out, lo, inv, top, key, low0, per, bits):  # pragma: no cover
+    """Whole bytes of a group, stochastic rounding; ``per`` = 8 // ``bits`` codes a byte."""
+    u_step = xs.dtype.type(INV_2_24)
+    one = top / top
+    for k in range(out.size):
+        byte = np.uint8(0)
+        for j in range(per):
+            i = k * per + j
+            v = (xs[i] - lo) * inv
+            fl = np.floor(v)
+            r = xs.dtype.type(_mix32((low0 + i) ^ key) >> 8) * u_step
+            c = fl + one if r < v - fl else fl
+            byte |= _clamp(c, top) << (bits * j)
+        out[k] = byte
+
+
+@_jit
+def _bytes_nearest(xs, out, lo, inv, top, per, bits):  # pragma: no cover - jitted
+    """Whole bytes of a group, round to nearest (halves up)."""
+    half = xs.dtype.type(0.5)
+    one = top / top
+    for k in range(out.size):
+        byte = np.uint8(0)
+        for j in range(per):
+            v = (xs[k * per + j] - lo) * inv
+            fl = np.floor(v)
+            c = fl + one if v - fl >= half else fl
+            byte |= _clamp(c, top) << (bits * j)
+        out[k] = byte
+
+
+@_jit
+def _bytes_any(xs, out, lo, inv, top, seed, idx0, stochastic, per, bits):  # pragma: no cover
+    """Any group: the tail group, or one whose stream index crosses a 2**32 boundary."""
+    u_step = xs.dtype.type(INV_2_24)
+    one = top / top
+    out[:] = 0
+    for i in range(xs.size):
+        v = (xs[i] - lo) * inv
+        fl = np.floor(v)
+        if stochastic:
+            idx = idx0 + i
+            r = _mix32((idx & MASK32) ^ _stream_key(seed, idx >> 32)) >> 8
+            up = xs.dtype.type(r) * u_step < v - fl
+        else:
+            up = v - fl >= xs.dtype.type(0.5)
+        c = fl + one if up else fl
+        out[i // per] |= _clamp(c, top) << (bits * (i % per))
+
+
+@_jit
+def _pack_group(xs, out, lo, inv, top, seed, idx0, stochastic, group_size,
+                bits):  # pragma: no cover - jitted
+    key = _stream_key(seed, idx0 >> 32)
+    if xs.size < group_size or (idx0 >> 32) != ((idx0 + group_size - 1) >> 32):
+        _bytes_any(xs, out, lo, inv, top, seed, idx0, stochastic, 8 // bits, bits)
+    elif stochastic:
+        low0 = idx0 & MASK32
+        if bits == 1:
+            _bytes_stochastic(xs, out, lo, inv, top, key, low0, 8, 1)
+        elif bits == 2:
+            _bytes_stochastic(xs, out, lo, inv, top, key, low0, 4, 2)
+        elif bits == 4:
+            _bytes_stochastic(xs, out, lo, inv, top, key, low0, 2, 4)
+        else:
+            _bytes_stochastic(xs, out, lo, inv, top, key, low0, 1, 8)
+    elif bits == 1:
+        _bytes_nearest(xs, out, lo, inv, top, 8, 1)
+    elif bits == 2:
+        _bytes_nearest(xs, out, lo, inv, top, 4, 2)
+    elif bits == 4:
+        _bytes_nearest(xs, out, lo, inv, top, 2, 4)
+    else:
+        _bytes_nearest(xs, out, lo, inv, top, 1, 8)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _pack(x, words, exponent, codes, meta, bits, group_size, seed, base,
+          stochastic):  # pragma: no cover - jitted
+    n = x.size
+    t = x.dtype.type
+    levels = (1 << bits) - 1
+    top = t(levels)
+    group_bytes = group_size * bits // 8
+    for g in prange(meta.shape[0]):
+        start = g * group_size
+        stop = min(start + group_size, n)
+        xs = x[start:stop]
+        out = codes[g * group_bytes:(g + 1) * group_bytes]
+        mn, mx, bad = _min_max(xs, words[start:stop], exponent)
+        lo_word, scale_word, lo64, scale64 = _group_meta(np.nan if bad else float(mn),
+                                                         float(mx), float(levels))
+        meta[g, 0] = lo_word
+        meta[g, 1] = scale_word
+        if lo_word == layout.NAN16:
+            out[:] = 0
+            continue
+        scale = t(scale64)
+        inv = t(1) / scale if scale > 0 else scale
+        _pack_group(xs, out, t(lo64), inv, top, seed, base + start, stochastic, group_size, bits)
+
+
+@_jit
+def _unpack_bytes(src, ys, lo, scale, mask, per, bits):  # pragma: no cover - jitted
+    for k in range(src.size):
+        byte = src[k]
+        for j in range(per):
+            ys[k * per + j] = lo + ys.dtype.type((byte >> (bits * j)) & mask) * scale
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _unpack(codes, meta, bits, group_size, y):  # pragma: no cover - jitted
+    n = y.size
+    t = y.dtype.type
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    group_bytes = group_size * bits // 8
+    for g in prange(meta.shape[0]):
+        lo64, scale64 = _meta_values(meta[g, 0], meta[g, 1])
+        lo = t(lo64)
+        scale = t(scale64)
+        start = g * group_size
+        ys = y[start:min(start + group_size, n)]
+        src = codes[g * group_bytes:(g + 1) * group_bytes]
+        if ys.size < group_size:
+            for i in range(ys.size):
+                ys[i] = lo + t((src[i // per] >> ((i % per) * bits)) & mask) * scale
+        elif bits == 1:
+            _unpack_bytes(src, ys, lo, scale, 1, 8, 1)
+        elif bits == 2:
+            _unpack_bytes(src, ys, lo, scale, 3, 4, 2)
+        elif bits == 4:
+            _unpack_bytes(src, ys, lo, scale, 15, 2, 4)
+        else:
+            _unpack_bytes(src, ys, lo, scale, 255, 1, 8)
+
+
+def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
+         seed: int, base: int = 0, stochastic: bool = True) -> None:
+    """Fill ``codes`` (uint8) and ``meta`` (uint16 [G, 2]) from 1-D float32/float64 ``x``.
+
+    ``base`` is the index of ``x[0]`` in the random stream ``seed``.
+    """
+    if x.size:
+        words, exponent = _EXPONENT[x.dtype]
+        _pack(x, x.view(words), exponent, codes, meta, bits, group_size, np.int64(seed),
+              np.int64(base), bool(stochastic))
+
+
+def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
+           out: np.ndarray) -> None:
+    """Fill 1-D float32/float64 ``out`` from ``codes`` and ``meta``."""
+    if out.size:
+        _unpack(codes, meta, bits, group_size, out)

@@ -1,0 +1,56 @@
+"""Run under NUMBA_ENABLE_CUDASIM=1 (set before numba is imported) by test_cuda.py: packs small
+arrays with the CUDA kernels in numba-cuda's simulator and compares them with the reference
+byte for byte. Prints one line per case; exits 1 on the first mismatch."""
+
+import os
+import sys
+
+import numpy as np
+
+assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+
+from actune_kernels import cuda as kernels  # noqa: E402
+from actune_kernels import layout  # noqa: E402
+from actune_kernels import reference as ref  # noqa: E402
+
+CASES = [
+    # (bits, dtype, numel, group_size, stochastic, base)
+    (1, np.float32, 200, 64, True, 0),
+    (2, np.float32, 300, 64, True, 0),
+    (2, np.float32, 300, 64, False, 0),
+    (4, np.float64, 130, 32, True, 0),
+    (8, np.float32, 100, 64, True, 0),
+    (2, np.float32, 256, 64, True, 2**32 - 100),  # a group crosses a 2**32 stream boundary
+    (2, np.float32, 128, 64, True, 2**33 + 7),
+]
+
+
+def main() -> int:
+    rng = np.random.default_rng(0)
+    for bits, dtype, n, gs, stochastic, base in CASES:
+        x = (rng.standard_normal(n) * 3).astype(dtype)
+        x[: min(n, 40)] = 0.5  # a constant run
+        if n > 150:
+            x[140] = np.nan  # a non-finite group
+        codes_ref, meta_ref = ref.pack(x, bits, gs, 11, stochastic, base)
+        codes = np.full_like(codes_ref, 0xAA)
+        meta = np.full_like(meta_ref, 0xAAAA)
+        kernels.pack(x, codes, meta, bits, gs, 11, base, stochastic)
+        y_ref = ref.unpack(codes_ref, meta_ref, bits, n, gs, dtype)
+        y = np.full(n, 7, dtype)
+        kernels.unpack(codes_ref, meta_ref, bits, gs, y)
+        same = (
+            np.array_equal(codes, codes_ref)
+            and np.array_equal(meta, meta_ref)
+            and np.array_equal(y.view(np.uint8), y_ref.view(np.uint8))
+        )
+        print(f"bits={bits} dtype={np.dtype(dtype).name} n={n} group={gs} "
+              f"stochastic={stochastic} base={base} groups={layout.num_groups(n, gs)} "
+              f"same={same}")
+        if not same:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""quantize() / dequantize(): the torch-facing API."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import actune
+from actune_kernels import layout
+from actune_kernels import reference as ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def max_step(p: actune.PackedTensor) -> float:
+    meta = p.meta.numpy().view(np.uint16)
+    return float(ref.meta_values(meta)[1].max())
+
+
+@pytest.mark.parametrize("bits", layout.SUPPORTED_BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_keeps_shape_dtype_device_and_error_within_one_step(bits, dtype):
+    x = torch.randn(3, 5, 70, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    p = actune.quantize(x, bits, seed=1)
+    y = actune.dequantize(p)
+    assert (y.shape, y.dtype, y.device) == (x.shape, x.dtype, x.device)
+    assert (p.shape, p.dtype, p.bits) == (x.shape, x.dtype, bits)
+    err = (y.double() - x.double()).abs().max().item()
+    tol = {torch.float16: 1e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-6)  # output rounding
+    assert err <= max_step(p) * (1 + tol)
+
+
+def test_round_to_nearest_is_within_half_a_step_and_deterministic():
+    x = torch.randn(1000)
+    p = actune.quantize(x, 4, stochastic=False)
+    q = actune.quantize(x, 4, stochastic=False)
+    assert torch.equal(p.codes, q.codes)
+    assert (actune.dequantize(p) - x).abs().max().item() <= max_step(p) / 2 * (1 + 1e-6)
+
+
+def test_nbytes_counts_codes_and_metadata():
+    x = torch.randn(64, 256)
+    p = actune.quantize(x, 2)
+    assert p.nbytes == 64 * 256 * 2 // 8 + 64 * 4
+    assert p.nbytes == layout.packed_nbytes(x.numel(), 2, 256)
+    assert p.bits_per_element == pytest.approx(2.125)
+
+
+def test_manual_seed_makes_quantization_repeatable():
+    x = torch.randn(4096)
+    torch.manual_seed(3)
+    a = actune.quantize(x, 2)
+    b = actune.quantize(x, 2)
+    torch.manual_seed(3)
+    c = actune.quantize(x, 2)
+    assert torch.equal(a.codes, c.codes)
+    assert not torch.equal(a.codes, b.codes)
+
+
+def test_explicit_seed_matches_the_reference_bytes():
+    x = torch.randn(1000, dtype=torch.float64)
+    p = actune.quantize(x, 2, seed=42)
+    codes, meta = ref.pack(x.numpy(), 2, 256, 42)
+    np.testing.assert_array_equal(p.codes.numpy(), codes)
+    np.testing.assert_array_equal(p.meta.numpy().view(np.uint16), meta)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (1,), (1, 1, 1)])
+def test_empty_and_single_element(shape):
+    x = torch.full(shape, 1.5)
+    p = actune.quantize(x, 2)
+    y = actune.dequantize(p)
+    assert y.shape == x.shape
+    assert torch.equal(y, x)  # 1.5 is exact in float16: constant groups round-trip exactly
+    assert p.nbytes == layout.packed_nbytes(x.numel(), 2, 256)
+
+
+def test_channels_last_is_packed_without_copy_and_restored():
+    x = torch.randn(2, 8, 5, 7).to(memory_format=torch.channels_last)
+    p = actune.quantize(x, 8, seed=0)
+    y = actune.dequantize(p)
+    assert y.stride() == x.stride()
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    # packed in memory order: identical bytes to packing the NHWC tensor
+    q = actune.quantize(x.permute(0, 2, 3, 1).contiguous(), 8, seed=0)
+    assert torch.equal(p.codes, q.codes)
+    assert (y - x).abs().max() <= max_step(p)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(30, 40).t(),
+    lambda: torch.randn(30, 40)[:, ::3],
+    lambda: torch.randn(30, 1).expand(30, 9),
+    lambda: torch.randn(6, 7, 8).permute(2, 0, 1),
+])
+def test_non_contiguous_inputs(make):
+    x = make()
+    y = actune.dequantize(actune.quantize(x, 8, seed=0))
+    assert y.shape == x.shape
+    assert (y - x).abs().max().item() < 0.05
+
+
+def test_nan_and_inf_propagate_visibly():
+    x = torch.randn(1024)
+    x[700] = float("nan")
+    x[10] = float("inf")
+    y = actune.dequantize(actune.quantize(x, 2))
+    assert torch.isnan(y[:256]).all() and torch.isnan(y[512:768]).all()
+    assert torch.isfinite(y[256:512]).all() and torch.isfinite(y[768:]).all()
+
+
+def test_large_magnitudes_never_become_inf():
+    x = torch.randn(512) * 1e30
+    y = actune.dequantize(actune.quantize(x, 2))
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"bits": 3}, ValueError, "bits must be one of"),
+    ({"bits": 2, "group_size": 100}, ValueError, "group_size"),
+    ({"bits": 2, "seed": -1}, ValueError, "seed"),
+])
+def test_bad_arguments_say_what_to_fix(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        actune.quantize(torch.randn(10), **kwargs)
+
+
+def test_integer_tensors_are_rejected():
+    with pytest.raises(TypeError, match="floating-point"):
+        actune.quantize(torch.arange(10), 2)
+
+
+def test_requires_grad_input_is_packed_detached():
+    x = torch.randn(100, requires_grad=True)
+    y = actune.dequantize(actune.quantize(x, 8))
+    assert not y.requires_grad
+
+
+def test_fake_tensor_mode_gives_shapes_without_compute():
+    with FakeTensorMode():
+        x = torch.randn(16, 300)
+        p = actune.quantize(x, 2)
+        y = actune.dequantize(p)
+        assert p.codes.shape == (layout.codes_nbytes(16 * 300, 2, 256),)
+        assert p.meta.shape == (layout.num_groups(16 * 300, 256), 2)
+        assert y.shape == x.shape and y.dtype == x.dtype
+
+
+def test_opcheck_passes_for_both_ops():
+    x = torch.randn(1000)
+    p = actune.quantize(x, 2, seed=0)
+    for op, args in [
+        (torch.ops.actune.pack.default, (x, 2, 256, 5, True)),
+        (torch.ops.actune.unpack.default, (p.codes, p.meta, 2, 256, 1000, torch.float32)),
+    ]:
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_buffers_are_torch_tensors_seen_by_the_allocator():
+    x = torch.randn(2048)
+    p = actune.quantize(x, 2)
+    assert isinstance(p.codes, torch.Tensor) and isinstance(p.meta, torch.Tensor)
+    assert p.codes.untyped_storage().nbytes() == p.codes.nbytes
+
+
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    dtype=st.sampled_from(DTYPES),
+    bits=st.sampled_from(layout.SUPPORTED_BITS),
+    seed=st.integers(0, 2**31),
+)
+def test_property_round_trip(shape, dtype, bits, seed):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 10).to(dtype)
+    p = actune.quantize(x, bits, group_size=32, seed=seed)
+    y = actune.dequantize(p)
+    assert y.shape == x.shape and y.dtype == dtype
+    tol = {torch.float16: 1e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-6)
+    assert (y.double() - x.double()).abs().max().item() <= max_step(p) * (1 + tol) + 1e-6
