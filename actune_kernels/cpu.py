@@ -22,30 +22,41 @@ _group_meta = _s.group_meta
 _meta_values = _s.meta_values
 
 _jit = numba.njit(cache=True, nogil=True)
-#: Unsigned view and exponent mask per input dtype (an all-ones exponent is NaN or inf).
-_EXPONENT = {
-    np.dtype(np.float32): (np.uint32, np.uint32(0x7F800000)),
-    np.dtype(np.float64): (np.uint64, np.uint64(0x7FF0000000000000)),
+#: Per input dtype: the signed integer view, the sign shift, the magnitude mask and the
+#: bits of +inf (see _min_max).
+_BITS = {
+    np.dtype(np.float32): (np.int32, np.int32(31), np.int32(0x7FFFFFFF), np.int32(0x7F800000)),
+    np.dtype(np.float64): (np.int64, np.int64(63), np.int64(0x7FFFFFFFFFFFFFFF),
+                           np.int64(0x7FF0000000000000)),
 }
 
 
-@numba.njit(fastmath=True, nogil=True, cache=True)
-def _min_max(xs, words, exponent):  # pragma: no cover - jitted
-    """Min, max and whether any element is NaN or inf, of a non-empty group.
+@numba.njit(inline="always")
+def _order_key(w, shift, magnitude):  # pragma: no cover - jitted
+    """Signed integer with the order of the float whose bits are ``w`` (an involution)."""
+    return w ^ ((w >> shift) & magnitude)
 
-    ``words`` is ``xs`` viewed as unsigned integers and ``exponent`` the exponent mask of the
-    dtype: an all-ones exponent is NaN or inf. Checked on the integers, so fast-math (which
-    lets the min/max loop vectorize) cannot fold the check away.
+
+@_jit
+def _min_max(words, shift, magnitude, inf_key):  # pragma: no cover - jitted
+    """float64 min and max of a non-empty group, and whether it holds NaN or inf.
+
+    Works on the float bits (``words``: the group viewed as signed integers) mapped to
+    order-preserving keys: integer min/max vectorizes where float min/max does not, and NaN
+    and inf are the keys beyond +-inf's.
     """
-    mn = xs[0]
-    mx = xs[0]
-    bad = False
-    for i in range(xs.size):
-        v = xs[i]
-        mn = min(mn, v)
-        mx = max(mx, v)
-        bad |= (words[i] & exponent) == exponent
-    return mn, mx, bad
+    lo = _order_key(words[0], shift, magnitude)
+    hi = lo
+    for i in range(words.size):
+        k = _order_key(words[i], shift, magnitude)
+        lo = min(lo, k)
+        hi = max(hi, k)
+    bad = hi >= inf_key or lo < -inf_key
+    lo = _order_key(lo, shift, magnitude)
+    hi = _order_key(hi, shift, magnitude)
+    if words.itemsize == 4:
+        return float(np.int32(lo).view(np.float32)), float(np.int32(hi).view(np.float32)), bad
+    return float(np.int64(lo).view(np.float64)), float(np.int64(hi).view(np.float64)), bad
 
 
 @numba.njit(inline="always")
@@ -131,7 +142,7 @@ def _pack_group(xs, out, lo, inv, top, seed, idx0, stochastic, group_size,
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _pack(x, words, exponent, codes, meta, bits, group_size, seed, base,
+def _pack(x, words, shift, magnitude, inf_key, codes, meta, bits, group_size, seed, base,
           stochastic):  # pragma: no cover - jitted
     n = x.size
     t = x.dtype.type
@@ -143,9 +154,9 @@ def _pack(x, words, exponent, codes, meta, bits, group_size, seed, base,
         stop = min(start + group_size, n)
         xs = x[start:stop]
         out = codes[g * group_bytes:(g + 1) * group_bytes]
-        mn, mx, bad = _min_max(xs, words[start:stop], exponent)
-        lo_word, scale_word, lo64, scale64 = _group_meta(np.nan if bad else float(mn),
-                                                         float(mx), float(levels))
+        mn, mx, bad = _min_max(words[start:stop], shift, magnitude, inf_key)
+        lo_word, scale_word, lo64, scale64 = _group_meta(np.nan if bad else mn, mx,
+                                                         float(levels))
         meta[g, 0] = lo_word
         meta[g, 1] = scale_word
         if lo_word == layout.NAN16:
@@ -198,9 +209,9 @@ def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_si
     ``base`` is the index of ``x[0]`` in the random stream ``seed``.
     """
     if x.size:
-        words, exponent = _EXPONENT[x.dtype]
-        _pack(x, x.view(words), exponent, codes, meta, bits, group_size, np.int64(seed),
-              np.int64(base), bool(stochastic))
+        view, shift, magnitude, inf_key = _BITS[x.dtype]
+        _pack(x, x.view(view), shift, magnitude, inf_key, codes, meta, bits, group_size,
+              np.int64(seed), np.int64(base), bool(stochastic))
 
 
 def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
