@@ -1,7 +1,24 @@
 """actune: activation-compressed training for PyTorch, and an auto-tuner around it."""
 
-from actune.quant import PackedTensor, dequantize, quantize
+from actune.hooks import CompressionStats, DoubleBackwardError, compressed
+from actune.levels import LEVELS, Level, get_level, parse_levels
+from actune.quant import PackedMask, PackedTensor, dequantize, pack_mask, quantize, unpack_mask
 
 __version__ = "0.1.0"
 
-__all__ = ["PackedTensor", "__version__", "dequantize", "quantize"]
+__all__ = [
+    "LEVELS",
+    "CompressionStats",
+    "DoubleBackwardError",
+    "Level",
+    "PackedMask",
+    "PackedTensor",
+    "__version__",
+    "compressed",
+    "dequantize",
+    "get_level",
+    "pack_mask",
+    "parse_levels",
+    "quantize",
+    "unpack_mask",
+]

@@ -195,3 +195,40 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     flat = _unpack_op(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype)
     out = flat.as_strided(p.shape, p.stride)
     return out
+
+
+@dataclass(frozen=True)
+class PackedMask:
+    """A boolean tensor stored at 1 bit per element (exact)."""
+
+    bits8: torch.Tensor
+    shape: torch.Size
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits8.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.bits8.device
+
+
+def pack_mask(mask: torch.Tensor) -> PackedMask:
+    """Pack a boolean tensor into 1 bit per element."""
+    flat = mask.detach().reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
+    bits8 = (flat.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+    return PackedMask(bits8, mask.shape)
+
+
+def unpack_mask(p: PackedMask) -> torch.Tensor:
+    """The boolean tensor ``p`` was packed from."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=p.bits8.device)
+    n = 1
+    for d in p.shape:
+        n *= d
+    bits = ((p.bits8.unsqueeze(1) >> shifts) & 1).view(-1)[:n]
+    return bits.view(p.shape).bool()

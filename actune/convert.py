@@ -1,0 +1,172 @@
+"""compress(model, level): turn a model's layers into compressed counterparts, in place.
+
+A compressed counterpart is a subclass of the layer's own class whose ``forward`` runs the
+original ``forward`` inside :func:`actune.compressed` at the model's level. Converting swaps
+``module.__class__`` only: weights, buffers, running statistics, ``requires_grad`` flags, hooks,
+train/eval mode, device and dtype are the very same objects, so ``state_dict()`` keys and
+checkpoints are unchanged both ways. Pooling by average saves nothing large and is never
+substituted (ActNN replaced AvgPool with MaxPool); other modules are left as they are, with the
+reason in :func:`summary`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torch import nn
+
+from actune.hooks import compressed, shared_cache
+from actune.levels import Level, get_level
+
+__all__ = ["ConversionRow", "compress", "decompress", "is_compressed", "summary"]
+
+_LEVEL_ATTR = "_actune_level"
+
+# Layer classes with a compressed counterpart, and what the counterpart keeps for backward.
+_SUPPORTED: dict[type[nn.Module], str] = {
+    **{cls: "packed input (matmul bits)" for cls in (
+        nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+        nn.ConvTranspose3d, nn.Linear)},
+    **{cls: "packed input (other bits)" for cls in (
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm,
+        nn.GroupNorm)},
+    **{cls: "1-bit mask" for cls in (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)},
+    **{cls: "packed derivative (other bits)" for cls in (nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh)},
+    nn.Softmax: "two packed copies of the output (other bits)",
+    nn.MaxPool2d: "argmax offset in its window (1 byte)",
+    nn.MaxPool3d: "argmax offset in its window (1 byte)",
+    **{cls: "1-bit mask" for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)},
+    nn.Embedding: "indices only (nothing large)",
+}
+_KEPT_EXACT: dict[type[nn.Module], str] = {
+    **{cls: "saves nothing large: kept exact, never substituted" for cls in (
+        nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+        nn.AdaptiveAvgPool3d, nn.Flatten, nn.Identity)},
+    nn.MaxPool1d: "1-d max pooling keeps PyTorch's own indices",
+}
+_COUNTERPARTS: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _compressed_forward(self, *args, **kwargs):
+    level = getattr(self, _LEVEL_ATTR)
+    with compressed(level):
+        return super(type(self), self).forward(*args, **kwargs)
+
+
+def _counterpart(cls: type[nn.Module]) -> type[nn.Module]:
+    made = _COUNTERPARTS.get(cls)
+    if made is None:
+        name = f"Compressed{cls.__name__}"
+        made = type(name, (cls,), {"forward": _compressed_forward, "__module__": __name__,
+                                   "__doc__": f"{cls.__name__} with compressed activations."})
+        globals()[name] = made  # importable by name, so compressed models pickle
+        _COUNTERPARTS[cls] = made
+    return made
+
+
+for _cls in _SUPPORTED:
+    _counterpart(_cls)
+
+
+@dataclass(frozen=True)
+class ConversionRow:
+    """One module of a conversion summary."""
+
+    name: str
+    layer: str
+    converted: bool
+    keeps: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _base_class(module: nn.Module) -> type[nn.Module]:
+    cls = type(module)
+    return cls.__mro__[1] if cls in _COUNTERPARTS.values() else cls
+
+
+def _supported(cls: type[nn.Module]) -> str | None:
+    """What the counterpart of ``cls`` (or of its nearest supported ancestor) keeps."""
+    for ancestor in cls.__mro__:
+        if ancestor in _SUPPORTED:
+            return _SUPPORTED[ancestor]
+    return None
+
+
+def _enter_forward(module, _args):
+    cache = shared_cache()
+    cache.__enter__()
+    module._actune_cache = cache
+
+
+def _exit_forward(module, _args, _output):
+    cache = module.__dict__.pop("_actune_cache", None)
+    if cache is not None:
+        cache.__exit__(None, None, None)
+
+
+def is_compressed(module: nn.Module) -> bool:
+    """True if ``module`` (or any submodule) was converted by :func:`compress`."""
+    return any(hasattr(m, _LEVEL_ATTR) for m in module.modules())
+
+
+def compress(model: nn.Module, level: str | Level = "L3") -> nn.Module:
+    """Convert ``model``'s supported layers in place to compressed counterparts; returns it.
+
+    Works before or after ``.to(device)``; converting again just sets the new level;
+    :func:`decompress` restores plain layers. Functional calls written in a model's own
+    ``forward`` (outside the layers) are not covered here: wrap the step in
+    :func:`actune.compressed` for those.
+    """
+    lv = get_level(level)
+    if lv.exact:
+        return decompress(model)
+    for module in model.modules():
+        base = _base_class(module)
+        if _supported(base) is None:
+            continue
+        module.__class__ = _counterpart(base)
+        setattr(module, _LEVEL_ATTR, lv)
+    if not hasattr(model, "_actune_handles"):
+        model._actune_handles = (model.register_forward_pre_hook(_enter_forward),
+                                 model.register_forward_hook(_exit_forward, always_call=True))
+    return model
+
+
+def _restore(module: nn.Module) -> None:
+    if hasattr(module, _LEVEL_ATTR):
+        module.__class__ = _base_class(module)
+        delattr(module, _LEVEL_ATTR)
+
+
+def decompress(model: nn.Module) -> nn.Module:
+    """Undo :func:`compress` in place; returns ``model``."""
+    for module in model.modules():
+        _restore(module)
+    for handle in model.__dict__.pop("_actune_handles", ()):
+        handle.remove()
+    return model
+
+
+def summary(model: nn.Module) -> list[ConversionRow]:
+    """What each leaf module is and keeps for backward: converted or left as is, and why."""
+    rows = []
+    for name, module in model.named_modules():
+        if next(module.children(), None) is not None:
+            continue  # containers: their leaves are listed
+        base = _base_class(module)
+        converted = hasattr(module, _LEVEL_ATTR)
+        if converted:
+            keeps = f"{_supported(base)} at {getattr(module, _LEVEL_ATTR).name}"
+        elif _supported(base) is not None:
+            keeps = "not converted (compress() was not called on it, or level L0)"
+        elif base in _KEPT_EXACT:
+            keeps = _KEPT_EXACT[base]
+        else:
+            keeps = ("left as is: no compressed counterpart; actune.compressed() covers its "
+                     "functional calls")
+        rows.append(ConversionRow(name or "(model)", base.__name__, converted, keeps))
+    return rows
+
+

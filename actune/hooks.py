@@ -1,0 +1,671 @@
+"""compressed(level): compress what autograd saves, for any architecture.
+
+Inside ``with actune.compressed("L3"):`` two public PyTorch mechanisms work together:
+
+* ``torch.autograd.graph.saved_tensors_hooks`` packs every tensor autograd saves and unpacks it
+  when backward needs it. The unpacked (dequantized) tensor lives only while its backward node
+  runs; the packed form is the only copy kept between forward and backward.
+* a ``TorchFunctionMode`` sees each functional call (modules call them too), so the pack hook
+  knows which op is saving a tensor and how that op's backward uses it:
+
+  - convolutions, linear layers, matmuls (``matmul_bits``) and norms and elementwise products
+    (``other_bits``) use their saved tensors linearly: stochastic rounding keeps their
+    gradients unbiased, so those tensors are quantized;
+  - ReLU / ReLU6 / hardtanh / leaky ReLU need only a 1-bit mask, dropout already saves a
+    boolean mask (stored at 1 bit), max-pool needs only each window's argmax offset: these are
+    stored exactly (``masks``);
+  - GELU, SiLU, sigmoid and tanh would read their input or output through a nonlinearity, which
+    turns quantization noise into bias; they save their derivative instead (quantized, used
+    linearly: unbiased);
+  - softmax's backward, ``y * (g - sum(g * y))``, is quadratic in its output ``y``; it saves two
+    independently rounded copies, one for each factor, which keeps the product unbiased;
+  - every other op (exp, log, division, fused attention, losses...) keeps its saved tensors
+    exact: a quantized operand of a nonlinear backward would bias the gradient silently.
+
+Parameters (and their autocast copies) stay references; a storage saved by several ops is
+packed once; boolean masks take 1 bit; tensors with fewer than ``level.min_numel`` elements are
+kept. Double backward (``create_graph=True``) raises: the saved values are not differentiable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+
+from actune.levels import Level, get_level
+from actune.quant import (
+    PackedMask,
+    PackedTensor,
+    dequantize,
+    pack_mask,
+    quantize,
+    unpack_mask,
+)
+
+__all__ = ["CompressionStats", "DoubleBackwardError", "compressed", "current_stats"]
+
+
+class DoubleBackwardError(RuntimeError):
+    """Raised when backward is differentiated again through compressed activations."""
+
+
+_DOUBLE_BACKWARD = (
+    "actune: double backward (create_graph=True) through compressed activations is not "
+    "supported: the saved activations were quantized and are not differentiable. Run this "
+    "step without actune.compressed / actune.compress, or at level L0."
+)
+
+# Which ops' saved tensors are quantized, and with which of the level's bit widths.
+_MATMUL = "matmul"
+_OTHER = "other"
+
+
+@dataclass
+class CompressionStats:
+    """Bytes autograd would have kept, and what was kept instead, during one context."""
+
+    saved_bytes: int = 0  # bytes of the tensors handed to the pack hook (each storage once)
+    kept_bytes: int = 0  # bytes actually held: packed forms plus tensors kept as they were
+    packed: int = 0
+    kept: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.saved_bytes / self.kept_bytes if self.kept_bytes else 1.0
+
+
+class _Saved:
+    """What the pack hook returns for a compressed tensor."""
+
+    __slots__ = ("__weakref__", "device", "host", "packed", "unpacked")
+
+    def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool) -> None:
+        self.packed = packed
+        self.device = packed.device
+        self.host = offload and packed.device.type == "cuda"
+        if self.host:  # pinned host copies, copied asynchronously on the current stream
+            self.packed = _to_device(packed, torch.device("cpu"), pin=True)
+        self.unpacked: weakref.ref | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def get(self) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise DoubleBackwardError(_DOUBLE_BACKWARD)
+        cached = self.unpacked() if self.unpacked is not None else None
+        if cached is not None:  # another node is still using the same storage
+            return cached
+        packed = _to_device(self.packed, self.device) if self.host else self.packed
+        if isinstance(packed, torch.Tensor):
+            return packed
+        out = unpack_mask(packed) if isinstance(packed, PackedMask) else dequantize(packed)
+        self.unpacked = weakref.ref(out)
+        return out
+
+
+def _to_device(p, device: torch.device, pin: bool = False):
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if pin:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        return t.to(device, non_blocking=True)
+
+    if isinstance(p, torch.Tensor):
+        return move(p)
+    if isinstance(p, PackedMask):
+        return PackedMask(move(p.bits8), p.shape)
+    return PackedTensor(move(p.codes), move(p.meta), p.bits, p.group_size, p.shape, p.dtype,
+                        p.stride)
+
+
+def _is_parameter_like(t: torch.Tensor) -> bool:
+    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        return True
+    fn = t.grad_fn  # an autocast copy of a parameter: ToCopyBackward0 -> AccumulateGrad
+    if fn is not None and fn.name() == "ToCopyBackward0":
+        nxt = fn.next_functions
+        return len(nxt) == 1 and nxt[0][0] is not None and nxt[0][0].name() == "AccumulateGrad"
+    return False
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (StorageWeakRef(t.untyped_storage()).cdata, t.storage_offset(), tuple(t.shape),
+            t.stride(), t.dtype, t._version)
+
+
+class _Session:
+    """The per-thread state of nested compressed() contexts: the level stack, the op being
+    run, and the packed-storage cache that makes a storage saved by several ops pack once."""
+
+    def __init__(self) -> None:
+        self.levels: list[Level] = []
+        self.holds = 0  # forward passes of compress()ed models that share one cache
+        self.kind: str | None = None
+        self.cache: dict[tuple, object] = {}
+        self.seen: dict[tuple, StorageWeakRef] = {}
+        self.stats = CompressionStats()
+        self._exit: contextlib.ExitStack | None = None
+
+    @property
+    def level(self) -> Level:
+        return self.levels[-1]
+
+    def bits_for(self, kind: str | None) -> int | None:
+        if kind == _MATMUL:
+            return self.level.matmul_bits
+        if kind == _OTHER:
+            return self.level.other_bits
+        return None
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def pack_hook(self, t: torch.Tensor) -> object:
+        if _is_parameter_like(t):
+            return t  # a reference to a parameter: not an activation, costs nothing
+        new = self.count(t)
+        level = self.level
+        if t.dtype == torch.bool:
+            if level.masks and t.numel() >= level.min_numel:
+                return self._pack(t, None, "mask", lambda: pack_mask(t))
+            return self._keep(t, new)
+        bits = self.bits_for(self.kind)
+        if bits is None or not t.is_floating_point() or t.numel() < level.min_numel:
+            return self._keep(t, new)
+        return self._pack(t, bits, self.kind,
+                          lambda: quantize(t, bits, group_size=level.group_size))
+
+    @staticmethod
+    def unpack_hook(saved: object) -> torch.Tensor:
+        return saved.get() if isinstance(saved, _Saved) else saved
+
+    # -- accounting: what autograd would keep (each storage once) and what is kept instead --
+
+    def count(self, t: torch.Tensor) -> bool:
+        """Count ``t`` as an activation autograd would keep; False if its storage was already
+        counted in this context."""
+        key = _storage_key(t)[:-1]
+        seen = self.seen.get(key)
+        if seen is not None and not seen.expired():
+            return False
+        self.seen[key] = StorageWeakRef(t.untyped_storage())
+        self.stats.saved_bytes += t.numel() * t.element_size()
+        return True
+
+    def _keep(self, t: torch.Tensor, new: bool) -> torch.Tensor:
+        if new:
+            self.stats.kept += 1
+            self.stats.kept_bytes += t.numel() * t.element_size()
+            self.stats.by_kind["exact"] = (self.stats.by_kind.get("exact", 0)
+                                           + t.numel() * t.element_size())
+        return t
+
+    def _hold(self, saved: _Saved, kind: str) -> _Saved:
+        self.stats.packed += 1
+        self.stats.kept_bytes += saved.nbytes
+        self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + saved.nbytes
+        return saved
+
+    # -- the packed-storage cache ----------------------------------------------------------
+
+    def _cached(self, key: tuple) -> _Saved | None:
+        entry = self.cache.get(key)
+        if entry is None:
+            return None
+        alive, saved = entry
+        return None if alive.expired() else saved  # a freed storage's address can come back
+
+    def _remember(self, t: torch.Tensor, bits: int | None, saved: _Saved) -> None:
+        self.cache[(*_storage_key(t), bits)] = (StorageWeakRef(t.untyped_storage()), saved)
+
+    def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> _Saved:
+        found = self._cached((*_storage_key(t), bits))
+        if found is not None:
+            return found
+        saved = _Saved(make(), self.level.offload)
+        self._remember(t, bits, saved)
+        return self._hold(saved, kind)
+
+    # -- packing for the substituted functions (not through the hooks) ---------------------
+
+    def pack_value(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = (),
+                   share_as: torch.Tensor | None = None) -> _Saved:
+        """Pack ``t`` in place of the tensors ``replaces`` that PyTorch's op would save; with
+        ``share_as``, later savers of that tensor reuse this packed copy."""
+        for r in replaces:
+            self.count(r)
+        saved = self._hold(_Saved(quantize(t, bits, group_size=self.level.group_size),
+                                  self.level.offload), kind)
+        if share_as is not None:
+            self._remember(share_as, bits, saved)
+        return saved
+
+    def pack_small_ints(self, values: torch.Tensor, kind: str, replaces: tuple = ()) -> _Saved:
+        """Integers in [0, 256) kept exactly in one byte each."""
+        for r in replaces:
+            self.count(r)
+        return self._hold(_Saved(values.to(torch.uint8), self.level.offload), kind)
+
+    def pack_bool(self, mask: torch.Tensor, kind: str, replaces: tuple = ()) -> _Saved:
+        for r in replaces:
+            self.count(r)
+        return self._hold(_Saved(pack_mask(mask), self.level.offload), kind)
+
+    # -- entering and leaving ------------------------------------------------------------
+
+    def push(self, level: Level) -> None:
+        if not self.levels:
+            self._exit = contextlib.ExitStack()
+            self._exit.enter_context(
+                torch.autograd.graph.saved_tensors_hooks(self.pack_hook, self.unpack_hook))
+            self._exit.enter_context(_FunctionMode(self))
+        self.levels.append(level)
+
+    def pop(self) -> None:
+        self.levels.pop()
+        if not self.levels:
+            exit_stack, self._exit = self._exit, None
+            if not self.holds:
+                self.cache.clear()
+                self.seen.clear()
+            exit_stack.close()
+            sink, self.stats_sink = self.stats_sink, None
+            if sink is not None:
+                sink(self.stats)
+            self.stats = CompressionStats()
+
+    stats_sink: Callable[[CompressionStats], None] | None = None
+
+
+_local = threading.local()
+
+
+def _session() -> _Session:
+    s = getattr(_local, "session", None)
+    if s is None:
+        s = _local.session = _Session()
+    return s
+
+
+@contextlib.contextmanager
+def shared_cache() -> Iterator[None]:
+    """Within this block, compressed() contexts that open and close (one per layer of a
+    compress()ed model) share one packed-storage cache: a tensor saved by several layers (the
+    input of q, k and v projections) is packed once."""
+    s = _session()
+    s.holds += 1
+    try:
+        yield
+    finally:
+        s.holds -= 1
+        if not s.holds and not s.levels:
+            s.cache.clear()
+            s.seen.clear()
+
+
+def current_stats() -> CompressionStats | None:
+    """Statistics of the innermost active context on this thread (None outside one)."""
+    s = _session()
+    return s.stats if s.levels else None
+
+
+@contextlib.contextmanager
+def compressed(level: str | Level = "L3",
+               stats: Callable[[CompressionStats], None] | None = None) -> Iterator[Level]:
+    """Compress the activations autograd saves for backward, for any model.
+
+    ``with actune.compressed("L3"): loss = model(x)`` then ``loss.backward()`` (inside or
+    outside the block). Contexts nest; the innermost level applies. ``stats``, if given, is
+    called with the :class:`CompressionStats` when the outermost context exits.
+    """
+    lv = get_level(level)
+    s = _session()
+    if lv.exact and stats is None:  # L0: plain PyTorch, not even the hooks
+        yield lv
+        return
+    outer = not s.levels
+    if outer:
+        s.stats_sink = stats
+    s.push(lv)
+    try:
+        yield lv
+    finally:
+        s.pop()
+        if lv.defrag and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions whose saved tensors are replaced by something smaller and still exact or unbiased.
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _check_double_backward() -> None:
+    if torch.is_grad_enabled():
+        raise DoubleBackwardError(_DOUBLE_BACKWARD)
+
+
+class _MaskedLinear(torch.autograd.Function):
+    """y = f(x) whose derivative is piecewise constant: saves a 1-bit mask.
+
+    ``mask_of(x, y)`` gives where the slope is 1; elsewhere it is ``low`` (0 for ReLU and
+    hardtanh, the negative slope for leaky ReLU), so the gradient is exactly PyTorch's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fn, mask_of, low, inplace, session):
+        mask = mask_of(x, None) if inplace else None
+        y = fn(x)
+        if mask is None:
+            mask = mask_of(x, y)
+        ctx.mask = session.pack_bool(mask, "mask", replaces=(y if low == 0.0 else x,))
+        ctx.low = low
+        if inplace:
+            ctx.mark_dirty(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_double_backward()
+        mask = ctx.mask.get()
+        if ctx.low == 0.0:
+            out = grad.masked_fill(~mask, 0.0)
+        else:
+            out = torch.where(mask, grad, grad * ctx.low)
+        return out, None, None, None, None, None
+
+
+class _Dropout(torch.autograd.Function):
+    """Dropout keeping its mask at 1 bit; the scale is PyTorch's (mask / (1 - p))."""
+
+    @staticmethod
+    def forward(ctx, x, p, inplace, session):
+        keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
+        noise = keep.to(x.dtype).div_(1 - p)
+        ctx.mask = session.pack_bool(keep, "mask", replaces=(noise,))
+        ctx.scale = 1 - p
+        if inplace:
+            ctx.mark_dirty(x)
+            return x.mul_(noise)
+        return x * noise
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_double_backward()
+        noise = ctx.mask.get().to(grad.dtype).div_(ctx.scale)
+        return grad * noise, None, None, None
+
+
+class _SavedDerivative(torch.autograd.Function):
+    """y = f(x) for elementwise f: saves f'(x), quantized, and returns grad * f'(x)."""
+
+    @staticmethod
+    def forward(ctx, x, fn, derivative, bits, session):
+        y = fn(x)
+        with torch.no_grad():
+            d = derivative(x, y)
+        ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_double_backward()
+        return grad * ctx.d.get(), None, None, None, None
+
+
+class _Softmax(torch.autograd.Function):
+    """Softmax saving two independently rounded copies of its output: the backward
+    ``y1 * (g - sum(g * y2))`` is then unbiased although it is quadratic in y."""
+
+    @staticmethod
+    def forward(ctx, x, dim, dtype, bits, session):
+        y = torch.softmax(x, dim, dtype=dtype)
+        ctx.y1 = session.pack_value(y, bits, "softmax", replaces=(y,), share_as=y)
+        ctx.y2 = session.pack_value(y, bits, "softmax")
+        ctx.dim = dim
+        ctx.in_dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_double_backward()
+        y2 = ctx.y2.get()
+        inner = (grad * y2).sum(ctx.dim, keepdim=True)
+        del y2
+        out = ctx.y1.get() * (grad - inner)
+        return out.to(ctx.in_dtype), None, None, None, None
+
+
+class _MaxPool(torch.autograd.Function):
+    """Max pooling that keeps each output's argmax as an offset inside its window (uint8)
+    instead of int64 input indices; backward is PyTorch's own with the indices rebuilt."""
+
+    @staticmethod
+    def forward(ctx, x, dims, kernel, stride, padding, dilation, ceil_mode, session):
+        pool = F.max_pool2d if dims == 2 else F.max_pool3d
+        y, idx = pool(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+        offsets, ctx.spatial = _window_offsets(idx, x.shape[-dims:], kernel, stride, padding,
+                                               dilation)
+        ctx.offsets = session.pack_small_ints(offsets, "maxpool", replaces=(x, idx))
+        ctx.args = (dims, kernel, stride, padding, dilation, ceil_mode)
+        ctx.in_shape, ctx.in_dtype = x.shape, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_double_backward()
+        dims, kernel, stride, padding, dilation, ceil_mode = ctx.args
+        offsets = ctx.offsets.get()
+        idx = _indices_from_offsets(offsets, ctx.spatial, kernel, stride, padding, dilation)
+        shape_only = torch.zeros((), dtype=ctx.in_dtype, device=grad.device).expand(ctx.in_shape)
+        backward = (torch.ops.aten.max_pool2d_with_indices_backward if dims == 2
+                    else torch.ops.aten.max_pool3d_with_indices_backward)
+        out = backward(grad, shape_only, kernel, stride, padding, dilation, ceil_mode, idx)
+        return out, None, None, None, None, None, None, None
+
+
+def _window_grid(out_shape, kernel, stride, padding):
+    grids = torch.meshgrid(*[torch.arange(n) * s - p
+                             for n, s, p in zip(out_shape, stride, padding, strict=True)],
+                           indexing="ij")
+    return grids
+
+
+def _window_offsets(idx, in_spatial, kernel, stride, padding, dilation):
+    """Flat input indices -> offset inside each window (row-major over the kernel)."""
+    out_spatial = idx.shape[-len(kernel):]
+    starts = [g.to(idx.device) for g in _window_grid(out_spatial, kernel, stride, padding)]
+    rem = idx
+    coords = []
+    for n in reversed(in_spatial):
+        coords.append(rem % n)
+        rem = rem // n
+    coords.reverse()
+    offset = torch.zeros_like(idx)
+    for c, s, d, k in zip(coords, starts, dilation, kernel, strict=True):
+        offset = offset * k + (c - s) // d
+    return offset, tuple(in_spatial)
+
+
+def _indices_from_offsets(offsets, in_spatial, kernel, stride, padding, dilation):
+    offsets = offsets.round().long()
+    out_spatial = offsets.shape[-len(kernel):]
+    starts = [g.to(offsets.device) for g in _window_grid(out_spatial, kernel, stride, padding)]
+    local = []
+    rem = offsets
+    for k in reversed(kernel):
+        local.append(rem % k)
+        rem = rem // k
+    local.reverse()
+    idx = torch.zeros_like(offsets)
+    for loc, s, d, n in zip(local, starts, dilation, in_spatial, strict=True):
+        idx = idx * n + (s + loc * d)
+    return idx
+
+
+def _tuple(v, n):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+def _gelu_derivative(approximate: str):
+    def derivative(x, _y):
+        if approximate == "tanh":
+            c = math.sqrt(2.0 / math.pi)
+            u = c * (x + 0.044715 * x.pow(3))
+            t = torch.tanh(u)
+            return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+        cdf = 0.5 * (1 + torch.erf(x * (1 / math.sqrt(2.0))))
+        pdf = torch.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+        return cdf + x * pdf
+
+    return derivative
+
+
+def _silu_derivative(x, _y):
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
+# ---------------------------------------------------------------------------------------------
+# The function mode: routes each call.
+
+_MATMUL_FUNCS = {
+    F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+    F.conv_transpose3d, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+    torch.einsum, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+    torch.Tensor.mm, torch.Tensor.bmm,
+}
+_OTHER_FUNCS = {
+    F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm, F.rms_norm, torch.mul,
+    torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, F.embedding,
+}
+_RELU = {F.relu, torch.relu, torch.Tensor.relu}
+_RELU_INPLACE = {F.relu_, torch.relu_, torch.Tensor.relu_}
+_SIGMOID = {torch.sigmoid, F.sigmoid, torch.Tensor.sigmoid}
+_TANH = {torch.tanh, F.tanh, torch.Tensor.tanh}
+_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
+_MAXPOOL = {F.max_pool2d: 2, F.max_pool3d: 3}  # 1-d keeps PyTorch's own (exact) indices
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __init__(self, session: _Session) -> None:
+        super().__init__()
+        self.s = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not args or not _needs_grad(*args, *kwargs.values()):
+            return func(*args, **kwargs)
+        s = self.s
+        level = s.level
+        replaced = self._replace(func, args, kwargs, level) if not level.exact else None
+        if replaced is not None:
+            return replaced
+        kind = _MATMUL if func in _MATMUL_FUNCS else _OTHER if func in _OTHER_FUNCS else None
+        previous, s.kind = s.kind, kind
+        try:
+            return func(*args, **kwargs)
+        finally:
+            s.kind = previous
+
+    def _replace(self, func, args, kwargs, level: Level):
+        s = self.s
+        x = args[0]
+        if not isinstance(x, torch.Tensor):
+            return None
+        if level.masks:
+            inplace = func in _RELU_INPLACE or (func is F.relu and kwargs.get("inplace"))
+            if func in _RELU or func in _RELU_INPLACE:
+                fn = torch.relu_ if inplace else torch.relu
+                return _MaskedLinear.apply(x, fn, _positive_after, 0.0, bool(inplace), s)
+            if func in (F.relu6, F.hardtanh):
+                lo, hi = (0.0, 6.0) if func is F.relu6 else (
+                    _arg(args, kwargs, 1, "min_val", -1.0), _arg(args, kwargs, 2, "max_val", 1.0))
+                inplace = bool(_arg(args, kwargs, 3 if func is F.hardtanh else 1, "inplace",
+                                    False))
+                fn = (lambda t: t.clamp_(lo, hi)) if inplace else (lambda t: t.clamp(lo, hi))
+                return _MaskedLinear.apply(x, fn, _inside(lo, hi), 0.0, inplace, s)
+            if func is F.leaky_relu:
+                slope = float(_arg(args, kwargs, 1, "negative_slope", 0.01))
+                inplace = bool(_arg(args, kwargs, 2, "inplace", False))
+                fn = (lambda t: F.leaky_relu_(t, slope)) if inplace else (
+                    lambda t: F.leaky_relu(t, slope))
+                return _MaskedLinear.apply(x, fn, _positive_before, slope, inplace, s)
+            if func is F.dropout:
+                p = float(_arg(args, kwargs, 1, "p", 0.5))
+                training = bool(_arg(args, kwargs, 2, "training", True))
+                inplace = bool(_arg(args, kwargs, 3, "inplace", False))
+                if not training or p == 0.0:
+                    return x
+                if 0.0 < p < 1.0:
+                    return _Dropout.apply(x, p, inplace, s)
+            dims = _MAXPOOL.get(func)
+            if dims and x.dim() >= dims + 1 and not _arg(args, kwargs, 6, "return_indices",
+                                                          False):
+                kernel = _tuple(_arg(args, kwargs, 1, "kernel_size", None), dims)
+                stride = _tuple(_arg(args, kwargs, 2, "stride", None) or kernel, dims)
+                padding = _tuple(_arg(args, kwargs, 3, "padding", 0), dims)
+                dilation = _tuple(_arg(args, kwargs, 4, "dilation", 1), dims)
+                ceil_mode = bool(_arg(args, kwargs, 5, "ceil_mode", False))
+                if math.prod(kernel) <= 256:
+                    return _MaxPool.apply(x, dims, kernel, stride, padding, dilation, ceil_mode,
+                                          s)
+        bits = level.other_bits
+        if bits is None or x.numel() < level.min_numel:
+            return None
+        if func is F.gelu:
+            approximate = _arg(args, kwargs, 1, "approximate", "none")
+            return _SavedDerivative.apply(x, lambda t: F.gelu(t, approximate=approximate),
+                                          _gelu_derivative(approximate), bits, s)
+        if func is F.silu:
+            if _arg(args, kwargs, 1, "inplace", False):
+                return None
+            return _SavedDerivative.apply(x, F.silu, _silu_derivative, bits, s)
+        if func in _SIGMOID:
+            return _SavedDerivative.apply(x, torch.sigmoid, lambda _x, y: y * (1 - y), bits, s)
+        if func in _TANH:
+            return _SavedDerivative.apply(x, torch.tanh, lambda _x, y: 1 - y * y, bits, s)
+        if func in _SOFTMAX:
+            dim = _arg(args, kwargs, 1, "dim", None)
+            if dim is None:
+                return None
+            dtype = kwargs.get("dtype")
+            return _Softmax.apply(x, dim, dtype, bits, s)
+        return None
+
+
+def _arg(args, kwargs, i, name, default):
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _positive_after(x, y):
+    return (y if y is not None else x) > 0
+
+
+def _positive_before(x, y):
+    return (x if y is None else y) > 0
+
+
+def _inside(lo: float, hi: float):
+    def mask(x, y):
+        # for the out-of-place call x is the input; in place, it is read before clamping
+        return (x > lo) & (x < hi)
+
+    return mask

@@ -1,0 +1,111 @@
+"""Optimization levels: immutable specs of what is compressed, and how.
+
+``L0``..``L5`` are named instances of :class:`Level`; a custom level is one more instance
+(``Level("mine", matmul_bits=4, other_bits=2)``), not a new code path. Nothing here is global
+mutable state: several models can train at different levels in one process.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+
+from actune_kernels import layout
+
+__all__ = ["LEVELS", "Level", "get_level", "parse_levels"]
+
+
+@dataclass(frozen=True)
+class Level:
+    """What a level compresses.
+
+    ``matmul_bits``: bits for the saved inputs of convolutions, linear layers and matmuls (whose
+    weight gradients need them); ``other_bits``: bits for every other saved floating activation
+    (norm inputs, activation-function derivatives, softmax outputs). ``None`` keeps them exact.
+    ``masks``: ReLU, dropout and max-pool keep exact 1-bit masks or compact argmax offsets
+    instead of full tensors. ``offload``: packed activations go to pinned host memory during
+    forward and come back in backward (CUDA only). ``defrag``: release cached allocator blocks
+    between forward and backward and use expandable segments (CUDA only). ``min_numel``:
+    smaller tensors are kept as they are (packing them gains nothing).
+    """
+
+    name: str
+    matmul_bits: int | None = None
+    other_bits: int | None = None
+    masks: bool = False
+    group_size: int = layout.DEFAULT_GROUP_SIZE
+    offload: bool = False
+    defrag: bool = False
+    min_numel: int = 1024
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("matmul_bits", "other_bits"):
+            bits = getattr(self, field)
+            if bits is not None:
+                try:
+                    layout.check_bits(bits)
+                except ValueError as err:
+                    raise ValueError(f"Level {self.name!r}: {field}: {err}") from None
+        layout.check_group_size(self.group_size)
+        if self.defrag and not self.offload:
+            raise ValueError(f"Level {self.name!r}: defrag builds on offload; set offload=True")
+
+    @property
+    def exact(self) -> bool:
+        """True when nothing is compressed (plain PyTorch)."""
+        return self.matmul_bits is None and self.other_bits is None and not self.masks
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Level:
+        return cls(**json.loads(text))
+
+    def with_(self, **changes) -> Level:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+L0 = Level("L0", description="exact PyTorch, nothing compressed")
+L1 = Level("L1", matmul_bits=4, masks=False,
+           description="4-bit inputs of convolutions and linear layers; the rest exact")
+L2 = Level("L2", matmul_bits=4, other_bits=4, masks=True,
+           description="4 bits for every compressed activation, 1-bit masks")
+L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True,
+           description="2 bits for every compressed activation, 1-bit masks (the default)")
+L4 = L3.with_(name="L4", offload=True,
+              description="L3 + packed activations offloaded to pinned host memory (CUDA)")
+L5 = L4.with_(name="L5", defrag=True,
+              description="L4 + expandable segments and cache release between passes (CUDA)")
+
+LEVELS: dict[str, Level] = {lv.name: lv for lv in (L0, L1, L2, L3, L4, L5)}
+
+
+def get_level(level: str | Level) -> Level:
+    """The level named ``level`` (``"L3"``, case-insensitive), or ``level`` itself."""
+    if isinstance(level, Level):
+        return level
+    found = LEVELS.get(str(level).strip().upper())
+    if found is None:
+        raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(LEVELS)}")
+    return found
+
+
+def parse_levels(text: str) -> list[Level]:
+    """Levels from ``"L0-L5"``, ``"L0,L3"`` or ``"L3"``."""
+    names = list(LEVELS)
+    out: list[Level] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "-" in part:
+            a, b = (get_level(x).name for x in part.split("-", 1))
+            i, j = names.index(a), names.index(b)
+            if i > j:
+                raise ValueError(f"level range {part!r} runs backwards; write {b}-{a}")
+            out.extend(LEVELS[n] for n in names[i:j + 1])
+        else:
+            out.append(get_level(part))
+    if not out:
+        raise ValueError(f"no levels in {text!r}; valid levels: {', '.join(names)}")
+    return list(dict.fromkeys(out))

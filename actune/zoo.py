@@ -1,0 +1,268 @@
+"""Built-in models: no downloads, no torchvision.
+
+* ResNet-18/34/50/101/152 with torchvision's exact layouts (ResNet-50 has 25,557,032
+  parameters, state_dict keys as torchvision's), scalable like ActNN's scaled ResNets in depth
+  (``depth`` multiplies the blocks per stage), width (``width`` multiplies the channels) and
+  input resolution (``resolution``, used by :func:`make_batch`).
+* A small transformer classifier: embedding, attention written with functional calls, layer
+  norm, GELU MLP.
+* A tiny CNN that trains in seconds on the CPU (8x8 inputs, e.g. scikit-learn's digits).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+__all__ = ["MODELS", "ModelSpec", "SmallTransformer", "TinyCNN", "make_batch", "resnet"]
+
+
+# ---------------------------------------------------------------------------------------------
+# ResNet (torchvision layout)
+
+
+def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+
+
+def _conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, cin: int, planes: int, stride: int = 1,
+                 downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = _conv3x3(cin, planes, stride)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = _conv3x3(planes, planes)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin: int, planes: int, stride: int = 1,
+                 downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = _conv1x1(cin, planes)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = _conv3x3(planes, planes, stride)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = _conv1x1(planes, planes * 4)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class ResNet(nn.Module):
+    def __init__(self, block: type[BasicBlock | Bottleneck], layers: list[int],
+                 num_classes: int = 1000, width: float = 1.0) -> None:
+        super().__init__()
+        base = max(1, round(64 * width))
+        self.inplanes = base
+        self.conv1 = nn.Conv2d(3, base, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(base)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.layer1 = self._stage(block, base, layers[0])
+        self.layer2 = self._stage(block, base * 2, layers[1], stride=2)
+        self.layer3 = self._stage(block, base * 4, layers[2], stride=2)
+        self.layer4 = self._stage(block, base * 8, layers[3], stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(base * 8 * block.expansion, num_classes)
+        for m in self.modules():  # torchvision's initialisation
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def _stage(self, block, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+        downsample = None
+        if stride != 1 or self.inplanes != planes * block.expansion:
+            downsample = nn.Sequential(_conv1x1(self.inplanes, planes * block.expansion, stride),
+                                       nn.BatchNorm2d(planes * block.expansion))
+        layers = [block(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * block.expansion
+        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+_RESNETS = {
+    18: (BasicBlock, [2, 2, 2, 2]),
+    34: (BasicBlock, [3, 4, 6, 3]),
+    50: (Bottleneck, [3, 4, 6, 3]),
+    101: (Bottleneck, [3, 4, 23, 3]),
+    152: (Bottleneck, [3, 8, 36, 3]),
+}
+
+
+def resnet(variant: int = 50, *, depth: float = 1.0, width: float = 1.0,
+           num_classes: int = 1000, resolution: int = 224) -> ResNet:
+    """ResNet-``variant`` with blocks per stage times ``depth`` and channels times ``width``.
+
+    ``resolution`` is accepted so every built-in factory takes the same scalable keywords; a
+    ResNet takes any input size (use it with :func:`make_batch`).
+    """
+    if variant not in _RESNETS:
+        raise ValueError(f"ResNet-{variant} is not built in; choose one of {sorted(_RESNETS)}")
+    if depth <= 0 or width <= 0 or resolution < 32:
+        raise ValueError("depth and width must be positive and resolution at least 32")
+    block, layers = _RESNETS[variant]
+    return ResNet(block, [max(1, round(n * depth)) for n in layers], num_classes, width)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small transformer
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp)
+        self.fc2 = nn.Linear(mlp, dim)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        attn = torch.softmax(q @ k.transpose(-2, -1) * (1.0 / math.sqrt(d // h)), dim=-1)
+        attn = F.dropout(attn, self.dropout, self.training)
+        y = (attn @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + F.dropout(self.proj(y), self.dropout, self.training)
+        y = self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + F.dropout(y, self.dropout, self.training)
+
+
+class SmallTransformer(nn.Module):
+    """A pre-norm transformer encoder classifier over token sequences."""
+
+    def __init__(self, vocab: int = 1000, dim: int = 256, heads: int = 4, layers: int = 4,
+                 mlp_ratio: int = 4, seq_len: int = 128, num_classes: int = 10,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(1, seq_len, dim))
+        self.blocks = nn.ModuleList(_Block(dim, heads, dim * mlp_ratio, dropout)
+                                    for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(dim=1))
+
+
+def transformer(*, depth: float = 1.0, width: float = 1.0, resolution: int = 128,
+                num_classes: int = 10) -> SmallTransformer:
+    """The small transformer: ``depth`` x 4 layers, ``width`` x 256 dims, ``resolution`` tokens."""
+    layers = max(1, round(4 * depth))
+    dim = max(4, round(256 * width / 4) * 4)
+    return SmallTransformer(dim=dim, heads=4, layers=layers, seq_len=resolution,
+                            num_classes=num_classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny CNN
+
+
+class TinyCNN(nn.Module):
+    """conv-bn-relu x2, max-pool, linear: trains on 8x8 digits in seconds."""
+
+    def __init__(self, num_classes: int = 10, width: float = 1.0, in_channels: int = 1) -> None:
+        super().__init__()
+        c = max(1, round(32 * width))
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+            nn.Conv2d(c, 2 * c, 3, padding=1, bias=False), nn.BatchNorm2d(2 * c), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Dropout(0.1))
+        self.classifier = nn.Linear(2 * c * 16, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x)
+        x = F.adaptive_avg_pool2d(x, 4)
+        return self.classifier(torch.flatten(x, 1))
+
+
+def tiny_cnn(*, depth: float = 1.0, width: float = 1.0, resolution: int = 8,
+             num_classes: int = 10) -> TinyCNN:
+    """The tiny CNN (``depth`` is accepted for a uniform signature and must be 1)."""
+    if depth != 1.0:
+        raise ValueError("the tiny CNN has a fixed depth")
+    return TinyCNN(num_classes=num_classes, width=width)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and batches
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A built-in model: its factory, its default input resolution and its input kind."""
+
+    name: str
+    factory: Callable[..., nn.Module]
+    resolution: int
+    inputs: str  # "image" (3 channels), "digits" (1 channel) or "tokens"
+    num_classes: int
+
+
+MODELS: dict[str, ModelSpec] = {
+    **{f"resnet{v}": ModelSpec(f"resnet{v}", lambda v=v, **kw: resnet(v, **kw), 224, "image",
+                               1000) for v in _RESNETS},
+    "transformer": ModelSpec("transformer", transformer, 128, "tokens", 10),
+    "tinycnn": ModelSpec("tinycnn", tiny_cnn, 8, "digits", 10),
+}
+
+
+def make_batch(spec: ModelSpec, batch: int, resolution: int | None = None, *,
+               device: str | torch.device = "cpu",
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random (inputs, targets) batch of ``batch`` samples for a built-in model."""
+    r = resolution or spec.resolution
+    targets = torch.randint(0, spec.num_classes, (batch,), generator=generator).to(device)
+    if spec.inputs == "tokens":
+        inputs = torch.randint(0, 1000, (batch, r), generator=generator).to(device)
+    else:
+        channels = 1 if spec.inputs == "digits" else 3
+        inputs = torch.randn(batch, channels, r, r, generator=generator).to(device)
+    return inputs, targets
