@@ -226,8 +226,11 @@ class _Session:
         alive, saved = entry
         return None if alive.expired() else saved  # a freed storage's address can come back
 
-    def _remember(self, t: torch.Tensor, bits: int | None, saved: _Saved) -> None:
-        self.cache[(*_storage_key(t), bits)] = (StorageWeakRef(t.untyped_storage()), saved)
+    def _remember(self, t: torch.Tensor, bits: int | None, saved: _Saved,
+                  bumps: int = 0) -> None:
+        key = _storage_key(t)
+        key = (*key[:-1], key[-1] + bumps, bits)
+        self.cache[key] = (StorageWeakRef(t.untyped_storage()), saved)
 
     def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> _Saved:
         found = self._cached((*_storage_key(t), bits))
@@ -240,15 +243,17 @@ class _Session:
     # -- packing for the substituted functions (not through the hooks) ---------------------
 
     def pack_value(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = (),
-                   share_as: torch.Tensor | None = None) -> _Saved:
+                   share_as: torch.Tensor | None = None, zero_code: bool = False,
+                   dirty: bool = False) -> _Saved:
         """Pack ``t`` in place of the tensors ``replaces`` that PyTorch's op would save; with
-        ``share_as``, later savers of that tensor reuse this packed copy."""
+        ``share_as``, later savers of that tensor reuse this packed copy (``dirty``: the
+        function marks it dirty, which bumps its version once more after forward)."""
         for r in replaces:
             self.count(r)
-        saved = self._hold(_Saved(quantize(t, bits, group_size=self.level.group_size),
-                                  self.level.offload), kind)
+        packed = quantize(t, bits, group_size=self.level.group_size, zero_code=zero_code)
+        saved = self._hold(_Saved(packed, self.level.offload), kind)
         if share_as is not None:
-            self._remember(share_as, bits, saved)
+            self._remember(share_as, bits, saved, bumps=int(dirty))
         return saved
 
     def pack_small_ints(self, values: torch.Tensor, kind: str, replaces: tuple = ()) -> _Saved:
@@ -388,6 +393,26 @@ class _MaskedLinear(torch.autograd.Function):
         else:
             out = torch.where(mask, grad, grad * ctx.low)
         return out, None, None, None, None, None
+
+
+class _ReLU(torch.autograd.Function):
+    """ReLU whose output is packed once, with code 0 reserved for exact zeros: the same packed
+    copy serves the next layer (a convolution's saved input) and this backward's mask, which
+    is exact (``dequantize(y) > 0`` is ``y > 0``). No separate mask is stored."""
+
+    @staticmethod
+    def forward(ctx, x, inplace, bits, session):
+        y = torch.relu_(x) if inplace else torch.relu(x)
+        ctx.y = session.pack_value(y, bits, "relu", replaces=(y,), share_as=y, zero_code=True,
+                                   dirty=inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_double_backward()
+        return grad.masked_fill(ctx.y.get() <= 0, 0.0), None, None, None
 
 
 class _Dropout(torch.autograd.Function):
@@ -591,6 +616,9 @@ class _FunctionMode(TorchFunctionMode):
         if level.masks:
             inplace = func in _RELU_INPLACE or (func is F.relu and kwargs.get("inplace"))
             if func in _RELU or func in _RELU_INPLACE:
+                bits = level.matmul_bits or level.other_bits
+                if bits is not None and bits >= 2 and x.is_floating_point():
+                    return _ReLU.apply(x, bool(inplace), bits, s)
                 fn = torch.relu_ if inplace else torch.relu
                 return _MaskedLinear.apply(x, fn, _positive_after, 0.0, bool(inplace), s)
             if func in (F.relu6, F.hardtanh):

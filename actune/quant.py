@@ -38,6 +38,7 @@ class PackedTensor:
     shape: torch.Size
     dtype: torch.dtype
     stride: tuple[int, ...]
+    zero_code: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -83,8 +84,8 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 @torch.library.custom_op("actune::pack", mutates_args=())
-def _pack_op(x: torch.Tensor, bits: int, group_size: int, seed: int,
-             stochastic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack_op(x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool,
+             zero_code: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack a 1-D tensor; ``seed`` < 0 draws one from torch's default generator."""
     n = x.numel()
     codes = torch.empty(layout.codes_nbytes(n, bits, group_size), dtype=torch.uint8,
@@ -99,20 +100,20 @@ def _pack_op(x: torch.Tensor, bits: int, group_size: int, seed: int,
         from actune_kernels import cuda as kernels
 
         _cuda_launch(lambda a, c, m, stream: kernels.pack(a, c, m, bits, group_size, seed, 0,
-                                                           stochastic, stream=stream),
+                                                           stochastic, zero_code, stream=stream),
                      src, codes, meta)
     elif x.device.type == "cpu":
         from actune_kernels import cpu as kernels
 
         kernels.pack(_numpy(src), _numpy(codes), _numpy(meta), bits, group_size, seed, 0,
-                     stochastic)
+                     stochastic, zero_code)
     else:
         raise NotImplementedError(f"actune has kernels for CPU and CUDA tensors, not {x.device}")
     return codes, meta
 
 
 @_pack_op.register_fake
-def _(x, bits, group_size, seed, stochastic):
+def _(x, bits, group_size, seed, stochastic, zero_code):
     n = x.numel()
     groups = -(-n // group_size)
     codes = x.new_empty((groups * (group_size * bits // 8),), dtype=torch.uint8)
@@ -122,7 +123,7 @@ def _(x, bits, group_size, seed, stochastic):
 
 @torch.library.custom_op("actune::unpack", mutates_args=())
 def _unpack_op(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
-               numel: int, dtype: torch.dtype) -> torch.Tensor:
+               numel: int, dtype: torch.dtype, zero_code: bool) -> torch.Tensor:
     """Dequantize to a 1-D tensor of ``numel`` elements of ``dtype``."""
     work = dtype if dtype in _KERNEL_DTYPES else torch.float32
     out = torch.empty(numel, dtype=work, device=codes.device)
@@ -131,17 +132,18 @@ def _unpack_op(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: i
             from actune_kernels import cuda as kernels
 
             _cuda_launch(lambda c, m, o, stream: kernels.unpack(c, m, bits, group_size, o,
-                                                                 stream=stream),
+                                                                 zero_code, stream=stream),
                          codes, meta, out)
         else:
             from actune_kernels import cpu as kernels
 
-            kernels.unpack(_numpy(codes), _numpy(meta), bits, group_size, _numpy(out))
+            kernels.unpack(_numpy(codes), _numpy(meta), bits, group_size, _numpy(out),
+                           zero_code)
     return out if work == dtype else out.to(dtype)
 
 
 @_unpack_op.register_fake
-def _(codes, meta, bits, group_size, numel, dtype):
+def _(codes, meta, bits, group_size, numel, dtype, zero_code):
     return codes.new_empty((numel,), dtype=dtype)
 
 
@@ -159,7 +161,8 @@ def _storage_order(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GROUP_SIZE,
-             seed: int | None = None, stochastic: bool = True) -> PackedTensor:
+             seed: int | None = None, stochastic: bool = True,
+             zero_code: bool = False) -> PackedTensor:
     """Quantize a floating tensor to ``bits`` (1, 2, 4 or 8) per element.
 
     Groups of ``group_size`` consecutive elements (in memory order) share a 16-bit minimum and
@@ -169,6 +172,9 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
     Dense layouts (contiguous, channels_last, any permutation) are packed without a copy and
     restored by :func:`dequantize`; other strided tensors are copied first. Groups holding NaN
     or inf dequantize to NaN.
+
+    ``zero_code=True`` (for tensors >= 0, such as ReLU outputs; 2 bits or more) reserves code 0
+    for exact zeros: ``dequantize(p) > 0`` is then exactly ``x > 0``, still unbiased.
     """
     layout.check_bits(bits)
     layout.check_group_size(group_size)
@@ -177,6 +183,8 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
                         + (f" of {x.dtype}" if isinstance(x, torch.Tensor) else ""))
     if seed is not None and not 0 <= seed < 2**62:
         raise ValueError(f"seed must be in [0, 2**62), got {seed}")
+    if zero_code and bits < 2:
+        raise ValueError("zero_code needs at least 2 bits (code 0 is taken by the zeros)")
     x = x.detach()
     dense = _storage_order(x)
     if dense is None:  # overlapping or with gaps: pack a row-major copy
@@ -185,14 +193,15 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
     else:  # packed in memory order; dequantize restores these strides
         stride = x.stride()
     codes, meta = _pack_op(dense.reshape(-1), bits, group_size,
-                           -1 if seed is None else seed, stochastic)
-    return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(stride))
+                           -1 if seed is None else seed, stochastic, zero_code)
+    return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(stride),
+                        zero_code)
 
 
 def dequantize(p: PackedTensor) -> torch.Tensor:
     """The tensor ``p`` was made from, up to quantization error: same shape, dtype, device and
     memory layout (strides)."""
-    flat = _unpack_op(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype)
+    flat = _unpack_op(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype, p.zero_code)
     out = flat.as_strided(p.shape, p.stride)
     return out
 

@@ -38,21 +38,24 @@ def _order_key(w, shift, magnitude):  # pragma: no cover - jitted
 
 
 @_jit
-def _min_max(words, shift, magnitude, inf_key):  # pragma: no cover - jitted
-    """float64 min and max of a non-empty group, and whether it holds NaN or inf.
+def _min_max(words, shift, magnitude, inf_key, positive):  # pragma: no cover - jitted
+    """float64 min (of the positive values only, if ``positive``: +inf when there are none)
+    and max of a non-empty group, and whether it holds NaN or inf.
 
     Works on the float bits (``words``: the group viewed as signed integers) mapped to
     order-preserving keys: integer min/max vectorizes where float min/max does not, and NaN
     and inf are the keys beyond +-inf's.
     """
-    lo = _order_key(words[0], shift, magnitude)
-    hi = lo
+    lo = inf_key
+    lo_pos = inf_key
+    hi = -inf_key
     for i in range(words.size):
         k = _order_key(words[i], shift, magnitude)
         lo = min(lo, k)
+        lo_pos = min(lo_pos, k if k > 0 else inf_key)
         hi = max(hi, k)
     bad = hi >= inf_key or lo < -inf_key
-    lo = _order_key(lo, shift, magnitude)
+    lo = _order_key(lo_pos if positive else lo, shift, magnitude)
     hi = _order_key(hi, shift, magnitude)
     if words.itemsize == 4:
         return float(np.int32(lo).view(np.float32)), float(np.int32(hi).view(np.float32)), bad
@@ -60,15 +63,20 @@ def _min_max(words, shift, magnitude, inf_key):  # pragma: no cover - jitted
 
 
 @numba.njit(inline="always")
-def _clamp(c, top):  # pragma: no cover - jitted
-    return np.uint8(min(max(c, top - top), top))
+def _code(x, fl, up, base, top, zero_code):  # pragma: no cover - jitted
+    """The code of element ``x`` at grid position ``fl`` (+1 when rounded ``up``), clamped to
+    [base, top]; in zero-code mode (base 1) code 0 marks an exact zero."""
+    c = min(max(fl + base + (top / top if up else top - top), base), top)
+    if zero_code and not x > 0:
+        return np.uint8(0)
+    return np.uint8(c)
 
 
 @_jit
-def _bytes_stochastic(xs, out, lo, inv, top, key, low0, per, bits):  # pragma: no cover
+def _bytes_stochastic(xs, out, lo, inv, base, top, zero_code, key, low0, per,
+                      bits):  # pragma: no cover - jitted
     """Whole bytes of a group, stochastic rounding; ``per`` = 8 // ``bits`` codes a byte."""
     u_step = xs.dtype.type(INV_2_24)
-    one = top / top
     for k in range(out.size):
         byte = np.uint8(0)
         for j in range(per):
@@ -76,31 +84,30 @@ def _bytes_stochastic(xs, out, lo, inv, top, key, low0, per, bits):  # pragma: n
             v = (xs[i] - lo) * inv
             fl = np.floor(v)
             r = xs.dtype.type(_mix32((low0 + i) ^ key) >> 8) * u_step
-            c = fl + one if r < v - fl else fl
-            byte |= _clamp(c, top) << (bits * j)
+            byte |= _code(xs[i], fl, r < v - fl, base, top, zero_code) << (bits * j)
         out[k] = byte
 
 
 @_jit
-def _bytes_nearest(xs, out, lo, inv, top, per, bits):  # pragma: no cover - jitted
+def _bytes_nearest(xs, out, lo, inv, base, top, zero_code, per,
+                   bits):  # pragma: no cover - jitted
     """Whole bytes of a group, round to nearest (halves up)."""
     half = xs.dtype.type(0.5)
-    one = top / top
     for k in range(out.size):
         byte = np.uint8(0)
         for j in range(per):
-            v = (xs[k * per + j] - lo) * inv
+            i = k * per + j
+            v = (xs[i] - lo) * inv
             fl = np.floor(v)
-            c = fl + one if v - fl >= half else fl
-            byte |= _clamp(c, top) << (bits * j)
+            byte |= _code(xs[i], fl, v - fl >= half, base, top, zero_code) << (bits * j)
         out[k] = byte
 
 
 @_jit
-def _bytes_any(xs, out, lo, inv, top, seed, idx0, stochastic, per, bits):  # pragma: no cover
+def _bytes_any(xs, out, lo, inv, base, top, zero_code, seed, idx0, stochastic, per,
+               bits):  # pragma: no cover - jitted
     """Any group: the tail group, or one whose stream index crosses a 2**32 boundary."""
     u_step = xs.dtype.type(INV_2_24)
-    one = top / top
     out[:] = 0
     for i in range(xs.size):
         v = (xs[i] - lo) * inv
@@ -111,52 +118,53 @@ def _bytes_any(xs, out, lo, inv, top, seed, idx0, stochastic, per, bits):  # pra
             up = xs.dtype.type(r) * u_step < v - fl
         else:
             up = v - fl >= xs.dtype.type(0.5)
-        c = fl + one if up else fl
-        out[i // per] |= _clamp(c, top) << (bits * (i % per))
+        out[i // per] |= _code(xs[i], fl, up, base, top, zero_code) << (bits * (i % per))
 
 
 @_jit
-def _pack_group(xs, out, lo, inv, top, seed, idx0, stochastic, group_size,
+def _pack_group(xs, out, lo, inv, base, top, zero_code, seed, idx0, stochastic, group_size,
                 bits):  # pragma: no cover - jitted
     key = _stream_key(seed, idx0 >> 32)
+    q = (lo, inv, base, top, zero_code)
     if xs.size < group_size or (idx0 >> 32) != ((idx0 + group_size - 1) >> 32):
-        _bytes_any(xs, out, lo, inv, top, seed, idx0, stochastic, 8 // bits, bits)
+        _bytes_any(xs, out, *q, seed, idx0, stochastic, 8 // bits, bits)
     elif stochastic:
         low0 = idx0 & MASK32
         if bits == 1:
-            _bytes_stochastic(xs, out, lo, inv, top, key, low0, 8, 1)
+            _bytes_stochastic(xs, out, *q, key, low0, 8, 1)
         elif bits == 2:
-            _bytes_stochastic(xs, out, lo, inv, top, key, low0, 4, 2)
+            _bytes_stochastic(xs, out, *q, key, low0, 4, 2)
         elif bits == 4:
-            _bytes_stochastic(xs, out, lo, inv, top, key, low0, 2, 4)
+            _bytes_stochastic(xs, out, *q, key, low0, 2, 4)
         else:
-            _bytes_stochastic(xs, out, lo, inv, top, key, low0, 1, 8)
+            _bytes_stochastic(xs, out, *q, key, low0, 1, 8)
     elif bits == 1:
-        _bytes_nearest(xs, out, lo, inv, top, 8, 1)
+        _bytes_nearest(xs, out, *q, 8, 1)
     elif bits == 2:
-        _bytes_nearest(xs, out, lo, inv, top, 4, 2)
+        _bytes_nearest(xs, out, *q, 4, 2)
     elif bits == 4:
-        _bytes_nearest(xs, out, lo, inv, top, 2, 4)
+        _bytes_nearest(xs, out, *q, 2, 4)
     else:
-        _bytes_nearest(xs, out, lo, inv, top, 1, 8)
+        _bytes_nearest(xs, out, *q, 1, 8)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _pack(x, words, shift, magnitude, inf_key, codes, meta, bits, group_size, seed, base,
-          stochastic):  # pragma: no cover - jitted
+          stochastic, zero_code):  # pragma: no cover - jitted
     n = x.size
     t = x.dtype.type
     levels = (1 << bits) - 1
     top = t(levels)
+    base_code = t(1) if zero_code else t(0)  # zero-code mode: code 0 is an exact zero
     group_bytes = group_size * bits // 8
     for g in prange(meta.shape[0]):
         start = g * group_size
         stop = min(start + group_size, n)
         xs = x[start:stop]
         out = codes[g * group_bytes:(g + 1) * group_bytes]
-        mn, mx, bad = _min_max(words[start:stop], shift, magnitude, inf_key)
-        lo_word, scale_word, lo64, scale64 = _group_meta(np.nan if bad else mn, mx,
-                                                         float(levels))
+        mn, mx, bad = _min_max(words[start:stop], shift, magnitude, inf_key, zero_code)
+        lo_word, scale_word, lo64, scale64 = _group_meta(
+            np.nan if bad else mn, mx, float(levels - zero_code), zero_code)
         meta[g, 0] = lo_word
         meta[g, 1] = scale_word
         if lo_word == layout.NAN16:
@@ -164,19 +172,29 @@ def _pack(x, words, shift, magnitude, inf_key, codes, meta, bits, group_size, se
             continue
         scale = t(scale64)
         inv = t(1) / scale if scale > 0 else scale
-        _pack_group(xs, out, t(lo64), inv, top, seed, base + start, stochastic, group_size, bits)
+        _pack_group(xs, out, t(lo64), inv, base_code, top, zero_code, seed, base + start,
+                    stochastic, group_size, bits)
+
+
+@numba.njit(inline="always")
+def _value(q, lo, scale, zero_code, t):  # pragma: no cover - jitted
+    """lo + code * scale; in zero-code mode code 0 is 0 and code c > 0 is lo + (c - 1) scale."""
+    if zero_code:
+        return lo + t(q - 1) * scale if q else t(0)
+    return lo + t(q) * scale
 
 
 @_jit
-def _unpack_bytes(src, ys, lo, scale, mask, per, bits):  # pragma: no cover - jitted
+def _unpack_bytes(src, ys, lo, scale, zero_code, mask, per, bits):  # pragma: no cover
+    t = ys.dtype.type
     for k in range(src.size):
         byte = src[k]
         for j in range(per):
-            ys[k * per + j] = lo + ys.dtype.type((byte >> (bits * j)) & mask) * scale
+            ys[k * per + j] = _value((byte >> (bits * j)) & mask, lo, scale, zero_code, t)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _unpack(codes, meta, bits, group_size, y):  # pragma: no cover - jitted
+def _unpack(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover - jitted
     n = y.size
     t = y.dtype.type
     per = 8 // bits
@@ -191,31 +209,33 @@ def _unpack(codes, meta, bits, group_size, y):  # pragma: no cover - jitted
         src = codes[g * group_bytes:(g + 1) * group_bytes]
         if ys.size < group_size:
             for i in range(ys.size):
-                ys[i] = lo + t((src[i // per] >> ((i % per) * bits)) & mask) * scale
+                q = (src[i // per] >> ((i % per) * bits)) & mask
+                ys[i] = _value(q, lo, scale, zero_code, t)
         elif bits == 1:
-            _unpack_bytes(src, ys, lo, scale, 1, 8, 1)
+            _unpack_bytes(src, ys, lo, scale, zero_code, 1, 8, 1)
         elif bits == 2:
-            _unpack_bytes(src, ys, lo, scale, 3, 4, 2)
+            _unpack_bytes(src, ys, lo, scale, zero_code, 3, 4, 2)
         elif bits == 4:
-            _unpack_bytes(src, ys, lo, scale, 15, 2, 4)
+            _unpack_bytes(src, ys, lo, scale, zero_code, 15, 2, 4)
         else:
-            _unpack_bytes(src, ys, lo, scale, 255, 1, 8)
+            _unpack_bytes(src, ys, lo, scale, zero_code, 255, 1, 8)
 
 
 def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
-         seed: int, base: int = 0, stochastic: bool = True) -> None:
+         seed: int, base: int = 0, stochastic: bool = True, zero_code: bool = False) -> None:
     """Fill ``codes`` (uint8) and ``meta`` (uint16 [G, 2]) from 1-D float32/float64 ``x``.
 
-    ``base`` is the index of ``x[0]`` in the random stream ``seed``.
+    ``base`` is the index of ``x[0]`` in the random stream ``seed``; ``zero_code`` reserves
+    code 0 for exact zeros (for tensors >= 0, such as ReLU outputs; bits >= 2).
     """
     if x.size:
         view, shift, magnitude, inf_key = _BITS[x.dtype]
         _pack(x, x.view(view), shift, magnitude, inf_key, codes, meta, bits, group_size,
-              np.int64(seed), np.int64(base), bool(stochastic))
+              np.int64(seed), np.int64(base), bool(stochastic), bool(zero_code))
 
 
 def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
-           out: np.ndarray) -> None:
+           out: np.ndarray, zero_code: bool = False) -> None:
     """Fill 1-D float32/float64 ``out`` from ``codes`` and ``meta``."""
     if out.size:
-        _unpack(codes, meta, bits, group_size, out)
+        _unpack(codes, meta, bits, group_size, bool(zero_code), out)

@@ -48,7 +48,8 @@ def _make_kernels(mul):
     """The pack and unpack kernels, with ``mul`` the unfused product for their float type."""
 
     @cuda.jit
-    def pack_kernel(x, codes, meta, bits, group_size, seed, base, stochastic):  # pragma: no cover
+    def pack_kernel(x, codes, meta, bits, group_size, seed, base, stochastic,
+                    zero_code):  # pragma: no cover - compiled
         lane = cuda.threadIdx.x
         row = cuda.threadIdx.y
         g = cuda.blockIdx.x * cuda.blockDim.y + row
@@ -60,7 +61,8 @@ def _make_kernels(mul):
         flag = 0.0
         for i in range(start + lane, end, WARP):
             v = x[i]
-            mn = min(mn, v)
+            if v > 0 or not zero_code:  # zero-code mode: the smallest positive value
+                mn = min(mn, v)
             mx = max(mx, v)
             flag += v - v
         # Reduce over the warp through shared memory; every lane reads all 32 partials, so all
@@ -81,7 +83,8 @@ def _make_kernels(mul):
         if flag != 0.0:
             mn = math.nan
         levels = (1 << bits) - 1
-        lo_word, scale_word, lo64, scale64 = _group_meta(mn, mx, float(levels))
+        lo_word, scale_word, lo64, scale64 = _group_meta(mn, mx, float(levels - zero_code),
+                                                         zero_code)
         if lane == 0:
             meta[g, 0] = lo_word
             meta[g, 1] = scale_word
@@ -115,13 +118,16 @@ def _make_kernels(mul):
                         up = t(_mix32((idx & MASK32) ^ key) >> 8) * u_step < frac
                     else:
                         up = frac >= half
-                    c = fl + 1 if up else fl
-                    byte |= min(max(c, 0), levels) << (bits * j)
+                    first = 1 if zero_code else 0  # zero-code mode: code 0 is an exact zero
+                    c = min(max(fl + first + (1 if up else 0), first), levels)
+                    if zero_code and not x[i] > 0:
+                        c = 0
+                    byte |= c << (bits * j)
             codes[out0 + k] = byte
 
 
     @cuda.jit
-    def unpack_kernel(codes, meta, bits, group_size, y):  # pragma: no cover
+    def unpack_kernel(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover
         lane = cuda.threadIdx.x
         g = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
         if g >= meta.shape[0]:
@@ -140,7 +146,11 @@ def _make_kernels(mul):
             for j in range(per):
                 i = start + k * per + j
                 if i < n:
-                    y[i] = lo + mul(t((byte >> (bits * j)) & mask), scale)
+                    q = (byte >> (bits * j)) & mask
+                    if zero_code:
+                        y[i] = lo + mul(t(q - 1), scale) if q else t(0)
+                    else:
+                        y[i] = lo + mul(t(q), scale)
 
     return pack_kernel, unpack_kernel
 
@@ -153,23 +163,25 @@ def _grid(groups: int) -> tuple[int, tuple[int, int]]:
 
 
 def pack(x, codes, meta, bits: int, group_size: int, seed: int, base: int = 0,
-         stochastic: bool = True, stream=0) -> None:
+         stochastic: bool = True, zero_code: bool = False, stream=0) -> None:
     """Fill ``codes`` and ``meta`` (device arrays) from 1-D float32/float64 device array ``x``,
     launched on ``stream``. Same arguments and bytes as :func:`actune_kernels.cpu.pack`."""
     groups = meta.shape[0]
     if groups:
         blocks, threads = _grid(groups)
         kernel = _KERNELS[str(x.dtype)][0]
-        kernel[blocks, threads, stream](x, codes, meta, bits, group_size, seed, base, stochastic)
+        kernel[blocks, threads, stream](x, codes, meta, bits, group_size, seed, base, stochastic,
+                                        zero_code)
 
 
-def unpack(codes, meta, bits: int, group_size: int, out, stream=0) -> None:
+def unpack(codes, meta, bits: int, group_size: int, out, zero_code: bool = False,
+           stream=0) -> None:
     """Fill 1-D device array ``out`` from ``codes`` and ``meta``, launched on ``stream``."""
     groups = meta.shape[0]
     if groups:
         blocks, threads = _grid(groups)
         kernel = _KERNELS[str(out.dtype)][1]
-        kernel[blocks, threads, stream](codes, meta, bits, group_size, out)
+        kernel[blocks, threads, stream](codes, meta, bits, group_size, zero_code, out)
 
 
 def compile_ptx(cc: tuple[int, int] = (9, 0)) -> dict[str, str]:
@@ -181,8 +193,9 @@ def compile_ptx(cc: tuple[int, int] = (9, 0)) -> dict[str, str]:
     """
     from numba.cuda import dispatcher
 
-    pack_sig = "void(float32[::1], uint8[::1], uint16[:, ::1], int64, int64, int64, int64, boolean)"
-    unpack_sig = "void(uint8[::1], uint16[:, ::1], int64, int64, float32[::1])"
+    pack_sig = ("void(float32[::1], uint8[::1], uint16[:, ::1], int64, int64, int64, int64, "
+                "boolean, boolean)")
+    unpack_sig = "void(uint8[::1], uint16[:, ::1], int64, int64, boolean, float32[::1])"
     device = SimpleNamespace(compute_capability=cc)
     pack_kernel, unpack_kernel = _KERNELS["float32"]
     with mock.patch.object(dispatcher, "get_current_device", return_value=device):

@@ -12,6 +12,7 @@ from . import layout
 from .scalar import (
     BF16_MAX_ABS,
     BF16_MIN_SCALE,
+    BF16_TINY,
     FP16_MAX_ABS,
     FP16_MIN_SCALE,
     GOLDEN,
@@ -71,11 +72,18 @@ def _bf16_bits(v: np.ndarray) -> np.ndarray:
     return (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-def group_meta(mn: np.ndarray, mx: np.ndarray, bits: int):
-    """Metadata words (lo, scale) per group and their float64 values, from group min and max."""
-    levels = float((1 << bits) - 1)
+def group_meta(mn: np.ndarray, mx: np.ndarray, bits: int, zero_code: bool = False):
+    """Metadata words (lo, scale) per group and their float64 values, from group min and max.
+
+    With ``zero_code``, ``mn`` is the smallest positive value (+inf if none), the grid has one
+    step fewer above ``lo`` (code 0 is the exact zero) and ``lo`` stays positive.
+    """
+    levels = float((1 << bits) - 1 - zero_code)
     mn = mn.astype(np.float64)
     mx = mx.astype(np.float64)
+    empty = zero_code & (mn > mx)  # no positive value: every code 0, lo = scale = 0
+    mn = np.where(empty, 0.0, mn)
+    mx = np.where(empty, 0.0, mx)
     big = np.maximum(np.abs(mn), np.abs(mx))
     valid = big <= BF16_MAX_ABS  # False for NaN and inf too
     mn = np.where(valid, mn, 0.0)
@@ -88,6 +96,10 @@ def group_meta(mn: np.ndarray, mx: np.ndarray, bits: int):
         lambda s: np.spacing(s.astype(np.float16)).astype(np.float64),
     )
     use16 = valid & (big <= FP16_MAX_ABS) & ((s16 == 0) | (s16 >= FP16_MIN_SCALE))
+    if zero_code:
+        use16 &= lo16 > 0
+        mn = np.where(empty, mn, np.maximum(mn, BF16_TINY))
+        mx = np.maximum(mx, mn)
     lob, sb = _fit(mn, mx, levels, _bf16_down, lambda v: -_bf16_down(-v), _bf16_ulp)
     sb = np.where(sb > 0, np.maximum(sb, BF16_MIN_SCALE), sb)  # keeps 1 / scale finite
 
@@ -99,6 +111,11 @@ def group_meta(mn: np.ndarray, mx: np.ndarray, bits: int):
     scale_word = np.where(valid, scale_word, 0).astype(np.uint16)
     lo = np.where(valid, lo, np.nan)
     scale = np.where(valid, scale, 0.0)
+    if zero_code:
+        lo_word = np.where(empty, 0, lo_word).astype(np.uint16)
+        scale_word = np.where(empty, 0, scale_word).astype(np.uint16)
+        lo = np.where(empty, 0.0, lo)
+        scale = np.where(empty, 0.0, scale)
     return lo_word, scale_word, lo, scale
 
 
@@ -112,10 +129,12 @@ def _grid(x: np.ndarray, group_size: int):
 
 
 def pack(x, bits: int, group_size: int = layout.DEFAULT_GROUP_SIZE, seed: int = 0,
-         stochastic: bool = True, base: int = 0):
+         stochastic: bool = True, base: int = 0, zero_code: bool = False):
     """Pack a 1-D float32 or float64 array. Returns (codes uint8[...], meta uint16[G, 2]).
 
     ``base`` is the stream index of ``x[0]`` (the kernels' random stream is indexed by it).
+    ``zero_code`` (for arrays >= 0, bits >= 2): code 0 is an exact zero and every positive
+    value gets a code >= 1, so which elements are zero survives quantization exactly.
     """
     layout.check_bits(bits)
     layout.check_group_size(group_size)
@@ -123,10 +142,11 @@ def pack(x, bits: int, group_size: int = layout.DEFAULT_GROUP_SIZE, seed: int = 
     t = x.dtype.type
     grid, inside = _grid(x, group_size)
     finite = np.where(inside, np.isfinite(grid), True).all(axis=1)
-    mn = np.where(inside, grid, np.inf).min(axis=1, initial=np.inf)
+    counted = inside & (grid > 0) if zero_code else inside
+    mn = np.where(counted, grid, np.inf).min(axis=1, initial=np.inf)
     mx = np.where(inside, grid, -np.inf).max(axis=1, initial=-np.inf)
     mn = np.where(finite, mn, np.nan)
-    lo_word, scale_word, lo, scale = group_meta(mn, mx, bits)
+    lo_word, scale_word, lo, scale = group_meta(mn, mx, bits, zero_code)
 
     levels = (1 << bits) - 1
     lo_t = lo.astype(t)[:, None]
@@ -141,8 +161,11 @@ def pack(x, bits: int, group_size: int = layout.DEFAULT_GROUP_SIZE, seed: int = 
         up = u < frac
     else:
         up = frac >= t(0.5)
-    code = np.clip(np.nan_to_num(floor) + up, 0, levels).astype(np.uint8)
+    base_code = 1 if zero_code else 0
+    code = np.clip(np.nan_to_num(floor) + base_code + up, base_code, levels).astype(np.uint8)
     code[~inside | ~np.isfinite(lo)[:, None]] = 0
+    if zero_code:
+        code[~(grid > 0)] = 0
 
     per = 8 // bits
     shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
@@ -164,14 +187,20 @@ def meta_values(meta: np.ndarray):
 
 
 def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, numel: int,
-           group_size: int = layout.DEFAULT_GROUP_SIZE, dtype=np.float32) -> np.ndarray:
+           group_size: int = layout.DEFAULT_GROUP_SIZE, dtype=np.float32,
+           zero_code: bool = False) -> np.ndarray:
     """Dequantize to a 1-D array of ``numel`` elements of ``dtype`` (float32 or float64):
-    ``lo + code * scale`` per element, in ``dtype`` arithmetic."""
+    ``lo + code * scale`` per element, in ``dtype`` arithmetic (zero-code mode: code 0 is 0,
+    code c > 0 is ``lo + (c - 1) * scale``)."""
     t = np.dtype(dtype).type
     per = 8 // bits
     shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
     code = (codes[:, None] >> shifts) & np.uint8((1 << bits) - 1)
     code = code.reshape(meta.shape[0], group_size).astype(t)
     lo, scale = meta_values(meta)
-    y = lo.astype(t)[:, None] + code * scale.astype(t)[:, None]
+    if zero_code:
+        y = lo.astype(t)[:, None] + (code - t(1)) * scale.astype(t)[:, None]
+        y = np.where(code == 0, t(0), y)
+    else:
+        y = lo.astype(t)[:, None] + code * scale.astype(t)[:, None]
     return y.reshape(-1)[:numel]

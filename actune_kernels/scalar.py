@@ -30,6 +30,7 @@ FP16_MAX_ABS = 16384.0  # beyond this (or for steps too fine for float16) a grou
 FP16_MIN_SCALE = 2.0**-14  # smallest normal float16: finer steps would lose precision
 BF16_MAX_ABS = 2.0**126  # beyond this the group is invalid (dequantizes to NaN)
 BF16_MIN_SCALE = 2.0**-100  # a smallest non-zero step, so 1 / scale stays finite in float32
+BF16_TINY = 2.0**-133  # smallest positive bfloat16: lo of zero-code groups never rounds to 0
 
 
 def _mix32(x):
@@ -111,15 +112,24 @@ def build(jit: Callable) -> SimpleNamespace:
         return lo, lo_word, scale, scale_word
 
     @jit
-    def group_meta(mn, mx, levels):
-        """(lo word, scale word, lo, scale) of a group with float64 min ``mn``, max ``mx``."""
+    def group_meta(mn, mx, levels, zero_code):
+        """(lo word, scale word, lo, scale) of a group with float64 min ``mn``, max ``mx``.
+
+        With ``zero_code`` (code 0 is an exact zero), ``mn`` is the smallest positive value
+        (+inf if none), ``levels`` counts the steps above ``lo`` and ``lo`` is kept positive.
+        """
+        if zero_code and mn > mx:  # no positive value: every code is 0
+            return 0, 0, 0.0, 0.0
         big = max(abs(mn), abs(mx))
         if not big <= BF16_MAX_ABS:  # also catches NaN and inf
             return 0x7E00, 0, math.nan, 0.0
         if big <= FP16_MAX_ABS:
             lo, lo_word, scale, scale_word = fit(mn, mx, levels, FP16[0], FP16[3])
-            if scale == 0.0 or scale >= FP16_MIN_SCALE:
+            if (scale == 0.0 or scale >= FP16_MIN_SCALE) and (lo > 0.0 or not zero_code):
                 return lo_word, scale_word, lo, scale
+        if zero_code:
+            mn = max(mn, BF16_TINY)
+            mx = max(mx, mn)
         lo, lo_word, scale, scale_word = fit(mn, mx, levels, BF16[0], BF16[3])
         if 0.0 < scale < BF16_MIN_SCALE:
             scale, scale_word = to_grid(BF16_MIN_SCALE, BF16[0], BF16[3], True)

@@ -127,6 +127,21 @@ def test_bad_arguments_say_what_to_fix(kwargs, error, match):
         actune.quantize(torch.randn(10), **kwargs)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_zero_code_keeps_the_zero_pattern_exactly(bits):
+    x = torch.randn(64, 100).relu()
+    x[3] = 0  # whole groups of zeros
+    x[5, :7] = 1e-30  # tiny positives stay positive
+    y = actune.dequantize(actune.quantize(x, bits, zero_code=True))
+    assert torch.equal(y > 0, x > 0)
+    assert torch.equal(y == 0, x == 0)
+
+
+def test_zero_code_needs_two_bits():
+    with pytest.raises(ValueError, match="at least 2 bits"):
+        actune.quantize(torch.rand(10), 1, zero_code=True)
+
+
 def test_integer_tensors_are_rejected():
     with pytest.raises(TypeError, match="floating-point"):
         actune.quantize(torch.arange(10), 2)
@@ -152,8 +167,10 @@ def test_opcheck_passes_for_both_ops():
     x = torch.randn(1000)
     p = actune.quantize(x, 2, seed=0)
     for op, args in [
-        (torch.ops.actune.pack.default, (x, 2, 256, 5, True)),
-        (torch.ops.actune.unpack.default, (p.codes, p.meta, 2, 256, 1000, torch.float32)),
+        (torch.ops.actune.pack.default, (x, 2, 256, 5, True, False)),
+        (torch.ops.actune.pack.default, (x.relu(), 2, 256, 5, True, True)),
+        (torch.ops.actune.unpack.default, (p.codes, p.meta, 2, 256, 1000, torch.float32,
+                                           False)),
     ]:
         result = torch.library.opcheck(op, args)
         assert set(result.values()) == {"SUCCESS"}, result

@@ -14,38 +14,43 @@ from actune_kernels import layout  # noqa: E402
 from actune_kernels import reference as ref  # noqa: E402
 
 CASES = [
-    # (bits, dtype, numel, group_size, stochastic, base)
-    (1, np.float32, 200, 64, True, 0),
-    (2, np.float32, 300, 64, True, 0),
-    (2, np.float32, 300, 64, False, 0),
-    (4, np.float64, 130, 32, True, 0),
-    (8, np.float32, 100, 64, True, 0),
-    (2, np.float32, 256, 64, True, 2**32 - 100),  # a group crosses a 2**32 stream boundary
-    (2, np.float32, 128, 64, True, 2**33 + 7),
+    # (bits, dtype, numel, group_size, stochastic, base, zero_code)
+    (1, np.float32, 200, 64, True, 0, False),
+    (2, np.float32, 300, 64, True, 0, False),
+    (2, np.float32, 300, 64, False, 0, False),
+    (4, np.float64, 130, 32, True, 0, False),
+    (8, np.float32, 100, 64, True, 0, False),
+    (2, np.float32, 256, 64, True, 2**32 - 100, False),  # a group crosses a 2**32 stream boundary
+    (2, np.float32, 128, 64, True, 2**33 + 7, False),
+    (2, np.float32, 200, 64, True, 0, True),  # zero-code mode (ReLU outputs)
 ]
 
 
 def main() -> int:
     rng = np.random.default_rng(0)
-    for bits, dtype, n, gs, stochastic, base in CASES:
+    for bits, dtype, n, gs, stochastic, base, zero_code in CASES:
         x = (rng.standard_normal(n) * 3).astype(dtype)
         x[: min(n, 40)] = 0.5  # a constant run
-        if n > 150:
+        if zero_code:
+            x = np.maximum(x, 0)
+            x[64:128] = 0  # a group of zeros
+        elif n > 150:
             x[140] = np.nan  # a non-finite group
-        codes_ref, meta_ref = ref.pack(x, bits, gs, 11, stochastic, base)
+        codes_ref, meta_ref = ref.pack(x, bits, gs, 11, stochastic, base, zero_code)
         codes = np.full_like(codes_ref, 0xAA)
         meta = np.full_like(meta_ref, 0xAAAA)
-        kernels.pack(x, codes, meta, bits, gs, 11, base, stochastic)
-        y_ref = ref.unpack(codes_ref, meta_ref, bits, n, gs, dtype)
+        kernels.pack(x, codes, meta, bits, gs, 11, base, stochastic, zero_code)
+        y_ref = ref.unpack(codes_ref, meta_ref, bits, n, gs, dtype, zero_code)
         y = np.full(n, 7, dtype)
-        kernels.unpack(codes_ref, meta_ref, bits, gs, y)
+        kernels.unpack(codes_ref, meta_ref, bits, gs, y, zero_code)
         same = (
             np.array_equal(codes, codes_ref)
             and np.array_equal(meta, meta_ref)
             and np.array_equal(y.view(np.uint8), y_ref.view(np.uint8))
         )
         print(f"bits={bits} dtype={np.dtype(dtype).name} n={n} group={gs} "
-              f"stochastic={stochastic} base={base} groups={layout.num_groups(n, gs)} "
+              f"stochastic={stochastic} base={base} zero_code={zero_code} "
+              f"groups={layout.num_groups(n, gs)} "
               f"same={same}")
         if not same:
             return 1

@@ -10,22 +10,22 @@ from actune_kernels import cpu, layout
 from actune_kernels import reference as ref
 
 
-def pack_cpu(x, bits, group_size, seed, stochastic=True, base=0):
+def pack_cpu(x, bits, group_size, seed, stochastic=True, base=0, zero_code=False):
     g = layout.num_groups(x.size, group_size)
     codes = np.full(layout.codes_nbytes(x.size, bits, group_size), 0xAA, np.uint8)
     meta = np.full((g, 2), 0xAAAA, np.uint16)
-    cpu.pack(x, codes, meta, bits, group_size, seed, base, stochastic)
+    cpu.pack(x, codes, meta, bits, group_size, seed, base, stochastic, zero_code)
     return codes, meta
 
 
-def assert_same(x, bits, group_size=256, seed=7, stochastic=True, base=0):
-    c_ref, m_ref = ref.pack(x, bits, group_size, seed, stochastic, base)
-    c, m = pack_cpu(x, bits, group_size, seed, stochastic, base)
+def assert_same(x, bits, group_size=256, seed=7, stochastic=True, base=0, zero_code=False):
+    c_ref, m_ref = ref.pack(x, bits, group_size, seed, stochastic, base, zero_code)
+    c, m = pack_cpu(x, bits, group_size, seed, stochastic, base, zero_code)
     np.testing.assert_array_equal(m, m_ref)
     np.testing.assert_array_equal(c, c_ref)
-    y_ref = ref.unpack(c_ref, m_ref, bits, x.size, group_size, x.dtype)
+    y_ref = ref.unpack(c_ref, m_ref, bits, x.size, group_size, x.dtype, zero_code)
     y = np.full(x.size, 99, x.dtype)
-    cpu.unpack(c, m, bits, group_size, y)
+    cpu.unpack(c, m, bits, group_size, y, zero_code)
     np.testing.assert_array_equal(y.view(np.uint8), y_ref.view(np.uint8))
     return c, m, y
 
@@ -38,6 +38,19 @@ def test_bytes_match(bits, dtype, n, stochastic):
     rng = np.random.default_rng(n * 10 + bits)
     x = (rng.standard_normal(n) * 2.5 + 0.3).astype(dtype)
     assert_same(x, bits, stochastic=stochastic)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_zero_code_bytes_match_and_zeros_stay_exact(bits, dtype, stochastic):
+    rng = np.random.default_rng(bits)
+    x = np.maximum(rng.standard_normal(3000), 0).astype(dtype)
+    x[256:512] = 0  # an all-zero group
+    x[600:700] *= 1e-20  # tiny positives beside large ones
+    x[800] = 1e-40 if dtype == np.float64 else 1e-44  # below every grid: still positive
+    _, _, y = assert_same(x, bits, stochastic=stochastic, zero_code=True)
+    np.testing.assert_array_equal(y > 0, x > 0)
 
 
 @pytest.mark.parametrize("group_size", [8, 64, 1024])
@@ -72,6 +85,10 @@ def test_64_bit_index_keys_differ_per_block():
     bits=st.sampled_from(layout.SUPPORTED_BITS),
     seed=st.integers(0, 2**31 - 1),
     stochastic=st.booleans(),
+    zero_code=st.booleans(),
 )
-def test_property_bytes_match(x, bits, seed, stochastic):
-    assert_same(x, bits, group_size=64, seed=seed, stochastic=stochastic)
+def test_property_bytes_match(x, bits, seed, stochastic, zero_code):
+    zero_code = zero_code and bits > 1
+    if zero_code:
+        x = np.maximum(x, 0)
+    assert_same(x, bits, group_size=64, seed=seed, stochastic=stochastic, zero_code=zero_code)

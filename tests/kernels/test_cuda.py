@@ -18,7 +18,7 @@ def test_cuda_kernels_match_reference_in_simulator():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 7 and all(line.endswith("same=True") for line in lines)
+    assert len(lines) == 8 and all(line.endswith("same=True") for line in lines)
 
 
 @pytest.fixture(scope="module")

@@ -13,27 +13,34 @@ SAMPLES = 3000
 N = 512
 
 
-def draws(x, bits):
+def draws(x, bits, zero_code=False):
     g = layout.num_groups(x.size, 256)
     codes = np.empty(layout.codes_nbytes(x.size, bits, 256), np.uint8)
     meta = np.empty((g, 2), np.uint16)
     out = np.empty((SAMPLES, x.size), np.float64)
     y = np.empty(x.size, x.dtype)
     for s in range(SAMPLES):
-        cpu.pack(x, codes, meta, bits, 256, seed=1000 + s)
-        cpu.unpack(codes, meta, bits, 256, y)
+        cpu.pack(x, codes, meta, bits, 256, seed=1000 + s, zero_code=zero_code)
+        cpu.unpack(codes, meta, bits, 256, y, zero_code)
         out[s] = y
     lo, scale = ref.meta_values(meta)  # the same for every seed
     return out, np.repeat(lo, 256)[: x.size], np.repeat(scale, 256)[: x.size]
 
 
-@pytest.fixture(scope="module", params=layout.SUPPORTED_BITS)
+@pytest.fixture(scope="module", params=[(b, False) for b in layout.SUPPORTED_BITS]
+                + [(2, True), (4, True)], ids=lambda p: f"{p[0]}bit{'-zero_code' * p[1]}")
 def sampled(request):
-    bits = request.param
+    bits, zero_code = request.param
     x = np.random.default_rng(bits).standard_normal(N).astype(np.float64)
-    out, lo, step = draws(x, bits)
+    if zero_code:  # ReLU outputs: zeros must stay exact, positives unbiased
+        x = np.maximum(x, 0)
+    out, lo, step = draws(x, bits, zero_code)
     frac = (x - lo) / step - np.floor((x - lo) / step)
-    return x, out, step, frac * (1 - frac) * step**2
+    var = np.where(x > 0, frac * (1 - frac) * step**2, 0.0) if zero_code else (
+        frac * (1 - frac) * step**2)
+    if zero_code:
+        assert np.all(out[:, x == 0] == 0) and np.all(out[:, x > 0] > 0)
+    return x, out, step, var
 
 
 def test_unbiased_within_4_standard_errors(sampled):
