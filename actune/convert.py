@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 
 from actune.hooks import compressed, shared_cache
@@ -47,7 +48,10 @@ _KEPT_EXACT: dict[type[nn.Module], str] = {
 _COUNTERPARTS: dict[type[nn.Module], type[nn.Module]] = {}
 
 
+@torch.compiler.disable(recursive=True)
 def _compressed_forward(self, *args, **kwargs):
+    # torch.compile runs compressed layers eagerly (a graph break at each): the hooks and the
+    # function mode that compress them are Python state dynamo cannot capture.
     level = getattr(self, _LEVEL_ATTR)
     with compressed(level):
         return super(type(self), self).forward(*args, **kwargs)

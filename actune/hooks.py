@@ -592,6 +592,9 @@ class _FunctionMode(TorchFunctionMode):
         super().__init__()
         self.s = session
 
+    # torch.compile cannot capture this routing (Python state, hooks): inside a compiled
+    # region every call under compressed() runs eagerly, so compression stays correct.
+    @torch.compiler.disable(recursive=True)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not args or not _needs_grad(*args, *kwargs.values()):
