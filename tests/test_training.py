@@ -170,7 +170,7 @@ def test_each_compressed_op_has_an_unbiased_input_gradient(op):
     g = torch.randn(fn(x).shape, generator=torch.Generator().manual_seed(5))
     (exact,) = torch.autograd.grad(fn(x), x, g)
     samples = []
-    for s in range(256):
+    for s in range(512):
         torch.manual_seed(100 + s)
         with actune.compressed(Level("t", matmul_bits=2, other_bits=2, masks=True,
                                      min_numel=1)):
@@ -178,7 +178,9 @@ def test_each_compressed_op_has_an_unbiased_input_gradient(op):
         samples.append(torch.autograd.grad(y, x, g)[0])
     samples = torch.stack(samples)
     assert (samples[0] - exact).norm() > 1e-3 * exact.norm()  # it was quantized
-    assert shrinks_like_noise(samples, exact) < 0.4
+    # unbiased: about sqrt(8 / 512) = 0.125 (measured 0.11-0.16); a single rounded softmax
+    # copy used for both factors of its backward (biased) measures 0.26
+    assert shrinks_like_noise(samples, exact, small=8, large=512) < 0.2
 
 
 def test_masks_give_pytorchs_gradients_exactly_for_relu_maxpool():
