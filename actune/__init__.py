@@ -1,5 +1,6 @@
 """actune: activation-compressed training for PyTorch, and an auto-tuner around it."""
 
+from actune.convert import compress, decompress, is_compressed, summary
 from actune.hooks import CompressionStats, DoubleBackwardError, compressed
 from actune.levels import LEVELS, Level, get_level, parse_levels
 from actune.quant import PackedMask, PackedTensor, dequantize, pack_mask, quantize, unpack_mask
@@ -14,11 +15,15 @@ __all__ = [
     "PackedMask",
     "PackedTensor",
     "__version__",
+    "compress",
     "compressed",
+    "decompress",
     "dequantize",
     "get_level",
+    "is_compressed",
     "pack_mask",
     "parse_levels",
     "quantize",
+    "summary",
     "unpack_mask",
 ]

@@ -69,8 +69,9 @@ class Level:
 
 
 L0 = Level("L0", description="exact PyTorch, nothing compressed")
-L1 = Level("L1", matmul_bits=4, masks=False,
-           description="4-bit inputs of convolutions and linear layers; the rest exact")
+L1 = Level("L1", matmul_bits=4, masks=True,
+           description="4-bit inputs of convolutions and linear layers, exact 1-bit masks; "
+                       "the rest exact")
 L2 = Level("L2", matmul_bits=4, other_bits=4, masks=True,
            description="4 bits for every compressed activation, 1-bit masks")
 L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True,
