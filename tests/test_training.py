@@ -1,8 +1,10 @@
 """Compressed training: levels, compress() / compressed(), and the numerics that must hold."""
 
+import datetime
 import io
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -393,9 +395,10 @@ def test_a_training_step_runs_under_fake_tensor_mode():
 
 
 def _ddp_worker(rank: int, world: int, path: str, out: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
-                                         world_size=world)
+                                         world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
     model = compress(zoo.TinyCNN(), "L3")
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -418,8 +421,14 @@ def _ddp_worker(rank: int, world: int, path: str, out: str) -> None:
 def test_distributed_data_parallel_ranks_stay_in_sync():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "params.pt")
-        torch.multiprocessing.spawn(_ddp_worker, args=(2, os.path.join(tmp, "init"), out),
-                                    nprocs=2, join=True)
+        ctx = torch.multiprocessing.spawn(_ddp_worker, nprocs=2, join=False,
+                                          args=(2, os.path.join(tmp, "init"), out))
+        deadline = time.monotonic() + 120
+        while not ctx.join(timeout=1):  # a hung rank fails the test instead of the suite
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail("distributed workers did not finish within 120 s")
         a, b = torch.load(out)
     assert torch.equal(a, b)
     assert not torch.equal(a, torch.cat([p.reshape(-1) for p in zoo.TinyCNN().parameters()]))
