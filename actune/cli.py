@@ -2,15 +2,274 @@
 
 from __future__ import annotations
 
+import contextlib
+import platform
 import time
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compress saved activations to 2 bits and tune what fits in memory.")
 console = Console()
+err_console = Console(stderr=True)
+
+ModelFile = Annotated[Path | None, typer.Argument(
+    help="A model file (build_model, make_batch; see docs/tuning.md). Default: --model.",
+    show_default=False)]
+ModelName = Annotated[str, typer.Option("--model", "-m", help="A built-in model, used when no "
+                                        "model file is given.")]
+Levels = Annotated[str, typer.Option(help="Levels: L0-L5, L0,L3 or L3.")]
+BudgetOpt = Annotated[str | None, typer.Option(
+    "--budget", "-b", help="Memory budget: 16GiB, 1500MB or 80%. Default: the GPU's free "
+    "memory less a reserve; without a GPU a simulated 16 GiB device.", show_default=False)]
+ModeOpt = Annotated[str | None, typer.Option(
+    help="estimate (fake tensors, no arithmetic; the default without a GPU) or measure.",
+    show_default=False)]
+JsonOpt = Annotated[Path | None, typer.Option(
+    "--json", help="Also write the result as JSON (schema actune.result/1) to this path, "
+    "atomically, after every finished level.", show_default=False)]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no table "
+                                     "(use with --json).")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+Resolution = Annotated[int | None, typer.Option(help="Input resolution (images) or sequence "
+                                                "length (tokens).", show_default=False)]
+
+
+class _UsageError(Exception):
+    """An error already phrased for the user."""
+
+
+@contextlib.contextmanager
+def _errors(debug: bool):
+    """Known errors: one paragraph, exit 2 (no traceback unless --debug); Ctrl-C: exit 130."""
+    from actune.tune.probe import ProbeError
+    from actune.tune.workload import WorkloadError
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]: results of finished levels were kept")
+        raise typer.Exit(130) from None
+    except (WorkloadError, ProbeError, ValueError, _UsageError) as err:
+        if debug:
+            raise
+        err_console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(2) from None
+
+
+def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
+           mode: str | None):
+    import torch
+
+    from actune.levels import parse_levels
+    from actune.memory import parse_budget, probe
+    from actune.tune import workload as wl
+    from actune.tune.run import Settings
+
+    workload = wl.load(model_file) if model_file is not None else wl.builtin(model)
+    level_list = parse_levels(levels)
+    info = probe()
+    cuda = info.available and torch.cuda.is_available()
+    mode = mode or ("measure" if cuda else "estimate")
+    if mode not in ("estimate", "measure"):
+        raise _UsageError(f"--mode must be estimate or measure, not {mode!r}")
+    settings = Settings(parse_budget(budget, info), mode, "cuda" if cuda else "cpu",
+                        info.name if cuda else f"CPU ({platform.machine()})")
+    workload.check()
+    return workload, level_list, settings
+
+
+def _progress(quiet: bool):
+    if quiet:
+        return contextlib.nullcontext(None)
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total} levels"), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+def _callbacks(progress, levels, json_path: Path | None):
+    from actune.report import human_bytes, write_json
+
+    task = progress.add_task("starting", total=len(levels)) if progress else None
+
+    def on_probe(level, p):
+        if progress:
+            peak = f", peak {human_bytes(p.peak)}" if p.peak else ""
+            verdict = "fits" if p.fits else "does not fit"
+            progress.update(task, description=f"{level.name}: size {p.size:,} {verdict}{peak}")
+
+    def on_level(report):
+        if progress:
+            progress.advance(task)
+        if json_path is not None:
+            write_json(report, json_path)
+
+    return on_probe, on_level
+
+
+def _finish(report, quiet: bool, json_path: Path | None) -> None:
+    from actune.report import render
+
+    if not quiet:
+        render(report, console)
+        if json_path:
+            console.print(f"JSON written to {json_path}")
+
+
+@app.command()
+def maxbatch(
+    model_file: ModelFile = None,
+    model: ModelName = "resnet50",
+    levels: Levels = "L0-L5",
+    budget: BudgetOpt = None,
+    mode: ModeOpt = None,
+    resolution: Resolution = None,
+    multiple_of: Annotated[int, typer.Option(min=1, help="Round batches to this.")] = 1,
+    max_batch: Annotated[int | None, typer.Option("--max", min=1, help="Largest batch to "
+                                                  "try.", show_default=False)] = None,
+    json_path: JsonOpt = None,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Largest batch that fits the budget, per optimization level."""
+    from actune.tune import run
+
+    with _errors(debug):
+        workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
+        sizes = {"resolution": resolution} if resolution else {}
+        t0 = time.perf_counter()
+        with _progress(quiet) as progress:
+            on_probe, on_level = _callbacks(progress, level_list, json_path)
+            report = run.maxbatch(workload, level_list, settings, sizes=sizes,
+                                  multiple_of=multiple_of, maximum=max_batch,
+                                  on_probe=on_probe, on_level=on_level)
+        _finish(report, quiet, json_path)
+        if not quiet:
+            console.print(f"{sum(len(r.probes) for r in report.levels)} probes in "
+                          f"{time.perf_counter() - t0:.1f} s")
+
+
+@app.command()
+def scale(
+    model_file: ModelFile = None,
+    dim: Annotated[str, typer.Option(help="depth, width or resolution.")] = "depth",
+    model: ModelName = "resnet152",
+    batch: Annotated[int, typer.Option(min=1, help="The batch size to hold fixed.")] = 64,
+    levels: Levels = "L0-L5",
+    budget: BudgetOpt = None,
+    mode: ModeOpt = None,
+    multiple_of: Annotated[int | None, typer.Option(
+        min=1, help="Step of the search in units of the dimension (1/8 of the default depth "
+        "or width; pixels for resolution, default 8).", show_default=False)] = None,
+    max_scale: Annotated[float | None, typer.Option(
+        "--max", help="Largest value to try (a multiplier, or pixels).",
+        show_default=False)] = None,
+    json_path: JsonOpt = None,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Largest depth, width or input resolution that fits, per optimization level."""
+    from actune.tune import run
+
+    with _errors(debug):
+        workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
+        workload.require(dim)
+        with _progress(quiet) as progress:
+            on_probe, on_level = _callbacks(progress, level_list, json_path)
+            report = run.scale(workload, level_list, settings, dim, batch,
+                               multiple_of=multiple_of, maximum=max_scale,
+                               on_probe=on_probe, on_level=on_level)
+        _finish(report, quiet, json_path)
+
+
+@app.command()
+def bench(
+    model_file: ModelFile = None,
+    model: ModelName = "resnet18",
+    levels: Levels = "L0-L5",
+    batch: Annotated[int, typer.Option(min=1, help="Batch size for every level.")] = 64,
+    at_max: Annotated[bool, typer.Option("--at-max", help="Run each level at its own largest "
+                                         "batch under the budget instead.")] = False,
+    resolution: Resolution = 32,
+    steps: Annotated[int, typer.Option(min=1, help="Timed steps per level.")] = 5,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed steps first.")] = 2,
+    budget: BudgetOpt = None,
+    mode: ModeOpt = None,
+    plot: Annotated[Path | None, typer.Option(help="Draw samples/s against batch size per "
+                                              "level to this PNG (needs matplotlib).",
+                                              show_default=False)] = None,
+    json_path: JsonOpt = None,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Throughput and memory per optimization level, side by side (real training steps)."""
+    from actune.tune import run
+
+    with _errors(debug):
+        if plot is not None:
+            _require_matplotlib()
+        workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
+        sizes = {"resolution": resolution} if resolution and "resolution" in workload.dims \
+            else {}
+        with _progress(quiet) as progress:
+            on_probe, on_level = _callbacks(progress, level_list, json_path)
+            report = run.bench(workload, level_list, settings, batch=batch, at_max=at_max,
+                               sizes=sizes, steps=steps, warmup=warmup, on_probe=on_probe,
+                               on_level=on_level)
+        _finish(report, quiet, json_path)
+        if plot is not None:
+            from actune.plot import throughput_curves
+
+            throughput_curves(workload, level_list, settings, report, sizes, plot)
+            if not quiet:
+                console.print(f"plot written to {plot}")
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise _UsageError("--plot needs matplotlib: pip install 'actune[plot]'") from None
+
+
+@app.command()
+def info(debug: Debug = False) -> None:
+    """The device and its memory (NVML), the kernels, and versions."""
+    import numba
+    import torch
+
+    from actune.levels import LEVELS
+    from actune.memory import parse_budget, probe
+    from actune.report import human_bytes
+
+    with _errors(debug):
+        dev = probe()
+        table = Table(title="actune info", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        if dev.available:
+            table.add_row("GPU", f"{dev.name} (driver {dev.driver})")
+            table.add_row("memory", f"{human_bytes(dev.total)} total, {human_bytes(dev.free)} "
+                          f"free, {human_bytes(dev.used)} used")
+        else:
+            table.add_row("GPU", f"none: {dev.reason}")
+        budget = parse_budget(None, dev)
+        table.add_row("default budget", f"{human_bytes(budget.bytes)} ({budget.source})")
+        table.add_row("CPU kernels", f"Numba {numba.__version__}, "
+                      f"{numba.get_num_threads()} threads")
+        table.add_row("CUDA kernels", "numba-cuda, on torch's current stream"
+                      if torch.cuda.is_available() else "not in use (torch sees no CUDA "
+                      "device; CPU kernels run instead)")
+        table.add_row("torch", f"{torch.__version__}")
+        table.add_row("python", platform.python_version())
+        table.add_row("levels", "; ".join(f"{lv.name}: {lv.description}"
+                                          for lv in LEVELS.values()))
+        console.print(table)
 
 
 @app.command()

@@ -30,6 +30,7 @@ kept. Double backward (``create_graph=True``) raises: the saved values are not d
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import threading
 import weakref
@@ -84,6 +85,20 @@ class CompressionStats:
         return self.saved_bytes / self.kept_bytes if self.kept_bytes else 1.0
 
 
+_SIMULATE_OFFLOAD = contextvars.ContextVar("actune_simulate_offload", default=False)
+
+
+@contextlib.contextmanager
+def simulated_offload() -> Iterator[None]:
+    """For estimates on the CPU: offloading levels put their packed buffers on the ``meta``
+    device, so a memory tracker counts them apart from the device, as host memory."""
+    token = _SIMULATE_OFFLOAD.set(True)
+    try:
+        yield
+    finally:
+        _SIMULATE_OFFLOAD.reset(token)
+
+
 class _Saved:
     """What the pack hook returns for a compressed tensor."""
 
@@ -92,8 +107,11 @@ class _Saved:
     def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool) -> None:
         self.packed = packed
         self.device = packed.device
-        self.host = offload and packed.device.type == "cuda"
-        if self.host:  # pinned host copies, copied asynchronously on the current stream
+        simulate = offload and _SIMULATE_OFFLOAD.get()
+        self.host = offload and (packed.device.type == "cuda" or simulate)
+        if simulate:
+            self.packed = _to_device(packed, torch.device("meta"))
+        elif self.host:  # pinned host copies, copied asynchronously on the current stream
             self.packed = _to_device(packed, torch.device("cpu"), pin=True)
         self.unpacked: weakref.ref | None = None
 
@@ -412,7 +430,8 @@ class _ReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _check_double_backward()
-        return grad.masked_fill(ctx.y.get() <= 0, 0.0), None, None, None
+        # PyTorch's own ReLU backward on the dequantized output (whose zeros are exact)
+        return torch.ops.aten.threshold_backward(grad, ctx.y.get(), 0.0), None, None, None
 
 
 class _Dropout(torch.autograd.Function):
@@ -514,33 +533,37 @@ def _window_grid(out_shape, kernel, stride, padding):
 def _window_offsets(idx, in_spatial, kernel, stride, padding, dilation):
     """Flat input indices -> offset inside each window (row-major over the kernel)."""
     out_spatial = idx.shape[-len(kernel):]
-    starts = [g.to(idx.device) for g in _window_grid(out_spatial, kernel, stride, padding)]
-    rem = idx
+    starts = [g.to(idx.device, torch.int32)
+              for g in _window_grid(out_spatial, kernel, stride, padding)]
+    rem = idx.to(torch.int32)  # plane indices fit; int32 halves the work
     coords = []
     for n in reversed(in_spatial):
         coords.append(rem % n)
         rem = rem // n
     coords.reverse()
-    offset = torch.zeros_like(idx)
+    offset = None
     for c, s, d, k in zip(coords, starts, dilation, kernel, strict=True):
-        offset = offset * k + (c - s) // d
+        step = (c - s) // d if d != 1 else c - s
+        offset = step if offset is None else offset * k + step
     return offset, tuple(in_spatial)
 
 
 def _indices_from_offsets(offsets, in_spatial, kernel, stride, padding, dilation):
-    offsets = offsets.round().long()
+    offsets = offsets.to(torch.int32)
     out_spatial = offsets.shape[-len(kernel):]
-    starts = [g.to(offsets.device) for g in _window_grid(out_spatial, kernel, stride, padding)]
+    starts = [g.to(offsets.device, torch.int32)
+              for g in _window_grid(out_spatial, kernel, stride, padding)]
     local = []
     rem = offsets
     for k in reversed(kernel):
         local.append(rem % k)
         rem = rem // k
     local.reverse()
-    idx = torch.zeros_like(offsets)
+    idx = None
     for loc, s, d, n in zip(local, starts, dilation, in_spatial, strict=True):
-        idx = idx * n + (s + loc * d)
-    return idx
+        coord = s + (loc * d if d != 1 else loc)
+        idx = coord if idx is None else idx * n + coord
+    return idx.long()
 
 
 def _tuple(v, n):

@@ -83,8 +83,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return a.view(np.uint16) if a.dtype == np.int16 else a
 
 
-@torch.library.custom_op("actune::pack", mutates_args=())
-def _pack_op(x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool,
+def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool,
              zero_code: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack a 1-D tensor; ``seed`` < 0 draws one from torch's default generator."""
     n = x.numel()
@@ -112,6 +111,9 @@ def _pack_op(x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic:
     return codes, meta
 
 
+_pack_op = torch.library.custom_op("actune::pack", mutates_args=())(_pack_impl)
+
+
 @_pack_op.register_fake
 def _(x, bits, group_size, seed, stochastic, zero_code):
     n = x.numel()
@@ -121,8 +123,7 @@ def _(x, bits, group_size, seed, stochastic, zero_code):
     return codes, meta
 
 
-@torch.library.custom_op("actune::unpack", mutates_args=())
-def _unpack_op(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
+def _unpack_impl(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
                numel: int, dtype: torch.dtype, zero_code: bool) -> torch.Tensor:
     """Dequantize to a 1-D tensor of ``numel`` elements of ``dtype``."""
     work = dtype if dtype in _KERNEL_DTYPES else torch.float32
@@ -142,6 +143,9 @@ def _unpack_op(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: i
     return out if work == dtype else out.to(dtype)
 
 
+_unpack_op = torch.library.custom_op("actune::unpack", mutates_args=())(_unpack_impl)
+
+
 @_unpack_op.register_fake
 def _(codes, meta, bits, group_size, numel, dtype, zero_code):
     return codes.new_empty((numel,), dtype=dtype)
@@ -149,6 +153,12 @@ def _(codes, meta, bits, group_size, numel, dtype, zero_code):
 
 # ---------------------------------------------------------------------------------------------
 # Public API.
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Eager, real tensors call the kernels directly (the same function the op registers),
+    skipping the dispatcher's overhead; fake tensors and traced code go through the op."""
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling()
 
 
 def _storage_order(x: torch.Tensor) -> torch.Tensor | None:
@@ -192,8 +202,9 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
         stride = dense.stride()
     else:  # packed in memory order; dequantize restores these strides
         stride = x.stride()
-    codes, meta = _pack_op(dense.reshape(-1), bits, group_size,
-                           -1 if seed is None else seed, stochastic, zero_code)
+    pack = _pack_impl if _plain(x) else _pack_op
+    codes, meta = pack(dense.reshape(-1), bits, group_size, -1 if seed is None else seed,
+                       stochastic, zero_code)
     return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(stride),
                         zero_code)
 
@@ -201,7 +212,8 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
 def dequantize(p: PackedTensor) -> torch.Tensor:
     """The tensor ``p`` was made from, up to quantization error: same shape, dtype, device and
     memory layout (strides)."""
-    flat = _unpack_op(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype, p.zero_code)
+    unpack = _unpack_impl if _plain(p.codes) else _unpack_op
+    flat = unpack(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype, p.zero_code)
     out = flat.as_strided(p.shape, p.stride)
     return out
 

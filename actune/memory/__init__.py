@@ -1,0 +1,7 @@
+"""Memory: the device probe (NVML), and the peak of a training step, measured or estimated."""
+
+from actune.memory.budget import Budget, parse_budget
+from actune.memory.nvml import DeviceInfo, probe
+from actune.memory.peak import Peak, measure_step
+
+__all__ = ["Budget", "DeviceInfo", "Peak", "measure_step", "parse_budget", "probe"]

@@ -1,0 +1,135 @@
+"""The peak bytes of one training step, by category, measured or estimated.
+
+One interface, three ways (see docs/tuning.md):
+
+* ``measure`` on a GPU: ``torch.cuda`` statistics (max_memory_allocated after a reset);
+* ``measure`` on the CPU: a live-tensor tracker (torch's MemTracker) on real tensors;
+* ``estimate``: the same tracker on the same step under ``FakeTensorMode``: shapes and
+  allocations without arithmetic, in milliseconds per layer. With ``round_to`` (512 for a
+  CUDA target, like the caching allocator) each storage is rounded up.
+
+Offloaded activations (levels L4/L5) are counted as host bytes, not device bytes; in an
+estimate their packed buffers are placed on the ``meta`` device to keep them apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools import mem_tracker
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from actune.hooks import CompressionStats, simulated_offload
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Peak bytes of a training step on the device, by category, plus host bytes."""
+
+    total: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int  # live activation tensors at the peak
+    temporaries: int
+    other: int
+    saved: int  # bytes held for backward at the end of forward (activations kept)
+    saved_uncompressed: int  # what PyTorch would have held
+    host: int = 0  # offloaded to host memory (L4/L5), not counted in ``total``
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# A training step: given a callback for the compression statistics, run forward, backward
+# and the optimizer step. ``build`` returns (model, optimizer, step).
+Step = Callable[[Callable[[CompressionStats], None]], None]
+Build = Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer, Step]]
+
+
+def measure_step(build: Build, mode: str = "estimate", device: str = "cpu",
+                 round_to: int | None = None) -> Peak:
+    """Peak of one steady-state training step built by ``build``.
+
+    ``mode`` is ``estimate`` (fake tensors, no arithmetic) or ``measure`` (real tensors on
+    ``device``). The step runs once first so optimizer state exists, then once tracked.
+    """
+    if mode not in ("estimate", "measure"):
+        raise ValueError(f"mode must be 'estimate' or 'measure', not {mode!r}")
+    if mode == "measure" and torch.device(device).type == "cuda":
+        return _measure_cuda(build, device)
+    fake = mode == "estimate"
+    outer = FakeTensorMode() if fake else contextlib.nullcontext()
+    rounding = _rounding(round_to) if round_to else contextlib.nullcontext()
+    offload = simulated_offload() if fake else contextlib.nullcontext()
+    with outer, torch.device("cpu" if fake else device), offload:
+        model, opt, step = build()
+        step(lambda _s: None)
+        stats: list[CompressionStats] = []
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with rounding, tracker:
+            step(stats.append)
+        snap = tracker.get_tracker_snapshot("peak")
+    host = sum(v.get(mem_tracker._TOTAL_KEY, 0) for d, v in snap.items() if d.type == "meta")
+    dev = [v for d, v in snap.items() if d.type != "meta"]
+    return _peak(dev[0] if dev else {}, stats, host)
+
+
+def _measure_cuda(build: Build, device: str) -> Peak:  # pragma: no cover - needs a GPU
+    torch.cuda.synchronize(device)
+    with torch.device(device):
+        model, opt, step = build()
+        step(lambda _s: None)
+        torch.cuda.synchronize(device)
+        stats: list[CompressionStats] = []
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        torch.cuda.reset_peak_memory_stats(device)
+        with tracker:
+            step(stats.append)
+        torch.cuda.synchronize(device)
+        total = torch.cuda.max_memory_allocated(device)
+    snap = tracker.get_tracker_snapshot("peak")
+    parts = next((v for d, v in snap.items() if d.type == "cuda"), {})
+    peak = _peak(parts, stats, 0)
+    return Peak(**{**peak.as_dict(), "total": total})
+
+
+def _peak(parts: dict, stats: list[CompressionStats], host: int) -> Peak:
+    def get(kind: str) -> int:
+        return sum(v for k, v in parts.items() if str(k).endswith(kind))
+
+    held = stats[0] if stats else CompressionStats()
+    saved_uncompressed = held.saved_bytes
+    saved = held.kept_bytes if held.packed else saved_uncompressed
+    return Peak(
+        total=parts.get(mem_tracker._TOTAL_KEY, 0),
+        parameters=get("PARAM") + get("BUFFER"),
+        gradients=get("GRAD"),
+        optimizer=get("OPT"),
+        activations=get("ACT"),
+        temporaries=get("TEMP"),
+        other=get("OTH"),
+        saved=saved,
+        saved_uncompressed=saved_uncompressed,
+        host=host,
+    )
+
+
+@contextlib.contextmanager
+def _rounding(quantum: int):
+    """Round every tracked storage up to ``quantum`` bytes (the CUDA caching allocator's
+    smallest block is 512 bytes)."""
+
+    def consumed(self) -> int:
+        return math.ceil(self.size * self.element_size / quantum) * quantum
+
+    with mock.patch.object(mem_tracker._WeakRefInfo, "_calculate_mem_consumed", consumed):
+        yield

@@ -1,0 +1,138 @@
+"""Results as rich tables and as JSON (schema ``actune.result/1``, see docs/tuning.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+SCHEMA = "actune.result/1"
+
+
+def human_bytes(n: int | float | None) -> str:
+    """``1536`` -> ``1.5 KiB``; None -> ``-``."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+@dataclass
+class LevelResult:
+    """One level's row: a search result (maxbatch/scale) or a measurement (bench)."""
+
+    level: str
+    value: float | None = None  # max batch / max scale / the batch used by bench
+    ratio: float | None = None  # value (or throughput, for bench) relative to L0
+    peak_bytes: int | None = None
+    activation_bytes: int | None = None
+    uncompressed_activation_bytes: int | None = None
+    host_bytes: int = 0
+    samples_per_s: float | None = None
+    probes: list[dict] = field(default_factory=list)
+    complete: bool = True
+    capped: bool = False
+    note: str = ""
+
+    @property
+    def compression(self) -> float | None:
+        if self.activation_bytes and self.uncompressed_activation_bytes:
+            return self.uncompressed_activation_bytes / self.activation_bytes
+        return None
+
+
+@dataclass
+class Report:
+    """A whole command's result."""
+
+    command: str
+    model: str
+    device: str
+    budget_bytes: int
+    budget_source: str
+    mode: str
+    dim: str
+    fixed: dict = field(default_factory=dict)  # e.g. {"batch": 64} for scale
+    levels: list[LevelResult] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        out = {"schema": SCHEMA, **{k: v for k, v in asdict(self).items() if k != "levels"}}
+        out["levels"] = [{**asdict(r), "compression": r.compression} for r in self.levels]
+        return out
+
+    def relate_to_l0(self) -> None:
+        """Fill each level's ratio to L0 (the value, or bench's throughput)."""
+        base = next((r for r in self.levels if r.level == "L0"), None)
+        for r in self.levels:
+            if base is None:
+                r.ratio = None
+            elif self.command == "bench":
+                r.ratio = (r.samples_per_s / base.samples_per_s
+                           if r.samples_per_s and base.samples_per_s else None)
+            else:
+                r.ratio = r.value / base.value if r.value and base.value else None
+
+
+def write_json(report: Report, path: str | Path) -> None:
+    """Write atomically: a temporary file in the same folder, then a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fmt_value(dim: str, value: float | None) -> str:
+    if value is None:
+        return "does not fit"
+    if dim in ("depth", "width"):
+        return f"{value:.3g}x"
+    return f"{int(value):,}"
+
+
+def render(report: Report, console: Console) -> None:
+    """Print ``report`` as a table, with the device and budget in the title."""
+    title = (f"actune {report.command}: {report.model} on {report.device}, budget "
+             f"{human_bytes(report.budget_bytes)} ({report.budget_source}), {report.mode}")
+    if report.fixed:
+        title += ", " + ", ".join(f"{k} {v}" for k, v in report.fixed.items())
+    table = Table(title=title, title_justify="left")
+    table.add_column("level")
+    if report.command == "bench":
+        cols = ("batch", "samples/s", "vs L0", "peak", "activations", "compression", "host")
+    else:
+        label = "max batch" if report.dim == "batch" else f"max {report.dim}"
+        cols = (label, "vs L0", "peak", "activations", "compression", "host", "probes")
+    for col in cols:
+        table.add_column(col, justify="right")
+    table.add_column("note")
+    for r in report.levels:
+        ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
+        comp = f"{r.compression:.1f}x" if r.compression else "-"
+        host = human_bytes(r.host_bytes) if r.host_bytes else "-"
+        if report.command == "bench":
+            sps = f"{r.samples_per_s:,.1f}" if r.samples_per_s else "-"
+            row = (_fmt_value("batch", r.value), sps, ratio, human_bytes(r.peak_bytes),
+                   human_bytes(r.activation_bytes), comp, host)
+        else:
+            row = (_fmt_value(report.dim, r.value), ratio, human_bytes(r.peak_bytes),
+                   human_bytes(r.activation_bytes), comp, host, str(len(r.probes)))
+        note = r.note + ("" if r.complete else " (interrupted: best so far)")
+        note += " (capped by --max)" if r.capped else ""
+        table.add_row(r.level, *row, note.strip())
+    console.print(table)

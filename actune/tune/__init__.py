@@ -1,0 +1,1 @@
+"""The tuner: model files, trials, and the search for the largest size that fits."""

@@ -1,0 +1,121 @@
+"""One trial: a training step of a workload at a level and size, and its peak memory.
+
+In ``estimate`` mode and in ``measure`` mode on the CPU the step runs in this process; in
+``measure`` mode on a GPU each trial runs in a fresh subprocess (``python -m
+actune.tune.probe``), so an out-of-memory error there poisons nothing, with a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import actune
+from actune.levels import Level
+from actune.memory import Peak, measure_step
+from actune.tune.oom import is_oom
+from actune.tune.search import Probe
+from actune.tune.workload import Workload, from_source
+
+__all__ = ["ProbeError", "Trial", "peak_of"]
+
+#: Seconds one isolated GPU trial may take.
+TRIAL_TIMEOUT = 600
+
+
+class ProbeError(RuntimeError):
+    """A trial failed for a reason other than running out of memory."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """What to run: a workload at a level, with scalable sizes, in a mode on a device."""
+
+    workload: Workload
+    level: Level
+    sizes: dict
+    mode: str = "estimate"
+    device: str = "cpu"
+    round_to: int | None = None
+
+    def build(self, batch: int):
+        """A ``memory.Build``: model, optimizer and one training step at ``batch``."""
+        wl, level = self.workload, self.level
+
+        def build():
+            model = wl.model(**self.sizes)
+            opt = wl.optimizer(model.parameters())
+            inputs, targets = wl.make_batch(batch, self.sizes.get("resolution"))
+
+            def step(sink):
+                opt.zero_grad(set_to_none=True)
+                with actune.compressed(level, stats=sink):
+                    loss = wl.loss(model(inputs), targets)
+                loss.backward()
+                opt.step()
+
+            return model, opt, step
+
+        return build
+
+    def peak(self, batch: int) -> Peak:
+        """Peak of one step at ``batch`` (raises on out-of-memory or any other error)."""
+        if self.mode == "measure" and torch.device(self.device).type == "cuda":
+            return _isolated(self, batch)
+        return measure_step(self.build(batch), self.mode, self.device, self.round_to)
+
+    def probe(self, batch: int, budget: int) -> Probe:
+        """Does ``batch`` fit ``budget``? Out-of-memory means no; other errors propagate."""
+        try:
+            peak = self.peak(batch)
+        except Exception as err:
+            if is_oom(err) or (isinstance(err, ProbeError) and "out of memory" in str(err)):
+                return Probe(batch, False, None)
+            raise
+        return Probe(batch, peak.total <= budget, peak.total)
+
+
+def peak_of(trial: Trial, batch: int) -> Peak:
+    """Convenience: the peak of ``trial`` at ``batch``."""
+    return trial.peak(batch)
+
+
+def _isolated(trial: Trial, batch: int) -> Peak:  # pragma: no cover - needs a GPU
+    spec = json.dumps({"source": trial.workload.source, "level": trial.level.to_json(),
+                       "sizes": trial.sizes, "batch": batch, "device": trial.device})
+    try:
+        done = subprocess.run([sys.executable, "-m", "actune.tune.probe", spec],
+                              capture_output=True, text=True, timeout=TRIAL_TIMEOUT,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    except subprocess.TimeoutExpired as err:
+        raise ProbeError(f"a trial at batch {batch} took over {TRIAL_TIMEOUT} s") from err
+    if done.returncode == 3:
+        raise ProbeError(f"out of memory at batch {batch}")
+    if done.returncode != 0:
+        raise ProbeError(f"the trial at batch {batch} failed:\n{done.stderr.strip()[-2000:]}")
+    return Peak(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _main(argv: list[str]) -> int:  # pragma: no cover - runs in the isolated subprocess
+    spec = json.loads(argv[0])
+    trial = Trial(from_source(spec["source"]), Level.from_json(spec["level"]), spec["sizes"],
+                  "measure", spec["device"])
+    try:
+        peak = measure_step(trial.build(spec["batch"]), "measure", spec["device"])
+    except Exception as err:
+        if is_oom(err):
+            return 3
+        raise
+    print(json.dumps(peak.as_dict()))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(_main(sys.argv[1:]))
+
+

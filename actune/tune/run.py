@@ -1,0 +1,190 @@
+"""The three tuning jobs: maxbatch, scale and bench, one level after another.
+
+Each returns a :class:`actune.report.Report`; ``on_level`` is called after every finished level
+(the CLI writes its JSON then, so finished levels are never lost) and ``on_probe`` after every
+trial (progress). Levels whose device cannot do what they add (offload on a CPU) are run and
+say so in their note.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import actune
+from actune.levels import Level
+from actune.memory import Budget
+from actune.report import LevelResult, Report
+from actune.tune.probe import Trial
+from actune.tune.search import Probe, largest_fitting
+from actune.tune.workload import Workload
+
+#: Scale searches run over integers: depth and width in steps of 1/8 of the default size,
+#: resolution in pixels.
+SCALE_UNITS = {"depth": 0.125, "width": 0.125, "resolution": 1}
+
+
+@dataclass
+class Settings:
+    """Where and how to run."""
+
+    budget: Budget
+    mode: str = "estimate"
+    device: str = "cpu"
+    device_name: str = "CPU"
+
+    @property
+    def round_to(self) -> int | None:
+        # estimates of a GPU budget round storages like the CUDA caching allocator
+        return 512 if self.mode == "estimate" else None
+
+
+def _note(level: Level, settings: Settings) -> str:
+    if level.offload and torch.device(settings.device).type != "cuda":
+        if settings.mode == "estimate":
+            return "offload simulated: packed activations counted as host memory"
+        return "no offload on a CPU: equals L3"
+    return ""
+
+
+def _probes(probes: list[Probe]) -> list[dict]:
+    return [{"size": p.size, "fits": p.fits, "peak": p.peak} for p in probes]
+
+
+def maxbatch(workload: Workload, levels: list[Level], settings: Settings, *,
+             sizes: dict | None = None, start: int = 8, multiple_of: int = 1,
+             maximum: int | None = None, on_probe: Callable | None = None,
+             on_level: Callable[[Report], None] | None = None) -> Report:
+    """Largest batch per level under the budget."""
+    sizes = sizes or {}
+    report = Report("maxbatch", workload.name, settings.device_name, settings.budget.bytes,
+                    settings.budget.source, settings.mode, "batch",
+                    {k: v for k, v in sizes.items()})
+    for level in levels:
+        trial = Trial(workload, level, sizes, settings.mode, settings.device, settings.round_to)
+        result = largest_fitting(
+            lambda n, t=trial: t.probe(n, settings.budget.bytes), start=start,
+            step=multiple_of, maximum=maximum,
+            budget=settings.budget.bytes if settings.mode == "estimate" else None,
+            on_probe=(lambda p, lv=level: on_probe(lv, p)) if on_probe else None)
+        row = LevelResult(level.name, result.value, probes=_probes(result.probes),
+                          complete=result.complete, capped=result.capped,
+                          note=_note(level, settings))
+        if result.value:
+            peak = trial.peak(result.value)
+            row.peak_bytes, row.host_bytes = peak.total, peak.host
+            row.activation_bytes = peak.saved
+            row.uncompressed_activation_bytes = peak.saved_uncompressed
+        report.levels.append(row)
+        report.relate_to_l0()
+        if on_level:
+            on_level(report)
+        if not result.complete:
+            raise KeyboardInterrupt
+    return report
+
+
+def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str, batch: int,
+          *, multiple_of: int | None = None, maximum: float | None = None,
+          on_probe: Callable | None = None,
+          on_level: Callable[[Report], None] | None = None) -> Report:
+    """Largest ``dim`` (depth, width or resolution) per level at a fixed batch."""
+    workload.require(dim)
+    unit = SCALE_UNITS[dim]
+    default = workload.dims[dim]
+    start = max(1, round(default / unit))
+    step = multiple_of or (8 if dim == "resolution" else 1)
+    cap = round(maximum / unit) if maximum else None
+    report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
+                    settings.budget.source, settings.mode, dim, {"batch": batch})
+    for level in levels:
+        def probe(n: int, level=level) -> Probe:
+            trial = Trial(workload, level, {dim: n * unit}, settings.mode, settings.device,
+                          settings.round_to)
+            return trial.probe(batch, settings.budget.bytes)
+
+        result = largest_fitting(probe, start=start, step=step, maximum=cap,
+                                 on_probe=(lambda p, lv=level: on_probe(lv, p)) if on_probe
+                                 else None)
+        value = result.value * unit if result.value else None
+        row = LevelResult(level.name, value, probes=_probes(result.probes),
+                          complete=result.complete, capped=result.capped,
+                          note=_note(level, settings))
+        if value:
+            peak = Trial(workload, level, {dim: value}, settings.mode, settings.device,
+                         settings.round_to).peak(batch)
+            row.peak_bytes, row.host_bytes = peak.total, peak.host
+            row.activation_bytes = peak.saved
+            row.uncompressed_activation_bytes = peak.saved_uncompressed
+        report.levels.append(row)
+        report.relate_to_l0()
+        if on_level:
+            on_level(report)
+        if not result.complete:
+            raise KeyboardInterrupt
+    return report
+
+
+def throughput(workload: Workload, level: Level, batch: int, sizes: dict, device: str,
+               steps: int = 5, warmup: int = 2) -> float:
+    """Samples per second of real training steps: the median over ``steps`` timed steps
+    after ``warmup`` untimed ones."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = workload.model(**sizes)
+        opt = workload.optimizer(model.parameters())
+        inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
+    times = []
+    for i in range(warmup + steps):
+        if device.startswith("cuda"):  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with actune.compressed(level):
+            loss = workload.loss(model(inputs), targets)
+        loss.backward()
+        opt.step()
+        if device.startswith("cuda"):  # pragma: no cover
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return batch / statistics.median(times)
+
+
+def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch: int | None,
+          at_max: bool = False, sizes: dict | None = None, steps: int = 5, warmup: int = 2,
+          multiple_of: int = 1, on_probe: Callable | None = None,
+          on_level: Callable[[Report], None] | None = None) -> Report:
+    """Throughput and memory per level at one batch (or each level's own max batch)."""
+    sizes = sizes or {}
+    report = Report("bench", workload.name, settings.device_name, settings.budget.bytes,
+                    settings.budget.source, settings.mode, "batch", dict(sizes))
+    for level in levels:
+        trial = Trial(workload, level, sizes, settings.mode, settings.device, settings.round_to)
+        used = batch
+        probes: list[dict] = []
+        if at_max:
+            found = largest_fitting(lambda n, t=trial: t.probe(n, settings.budget.bytes),
+                                    start=8, step=multiple_of,
+                                    budget=settings.budget.bytes
+                                    if settings.mode == "estimate" else None,
+                                    on_probe=(lambda p, lv=level: on_probe(lv, p))
+                                    if on_probe else None)
+            used, probes = found.value, _probes(found.probes)
+        row = LevelResult(level.name, used, probes=probes, note=_note(level, settings))
+        if used:
+            peak = trial.peak(used)
+            row.peak_bytes, row.host_bytes = peak.total, peak.host
+            row.activation_bytes = peak.saved
+            row.uncompressed_activation_bytes = peak.saved_uncompressed
+            row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
+                                           steps, warmup)
+        report.levels.append(row)
+        report.relate_to_l0()
+        if on_level:
+            on_level(report)
+    return report

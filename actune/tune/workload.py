@@ -1,0 +1,183 @@
+"""The model file: how to build the model and a batch, and (optionally) the loss and optimizer.
+
+A model file is a plain Python file (see docs/tuning.md and docs/examples/model.py)::
+
+    def build_model(depth=1.0, width=1.0, resolution=32):   # required; scalable keywords
+        ...                                                  # are the ones it accepts
+    def make_batch(batch_size, resolution=32):               # required
+        return inputs, targets
+    def loss_fn(outputs, targets): ...                       # optional: cross entropy
+    def make_optimizer(parameters): ...                      # optional: SGD, momentum 0.9
+
+Everything that can go wrong while loading or dry-running it raises :class:`WorkloadError`
+with one paragraph that says what to fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from actune import zoo
+
+__all__ = ["DIMENSIONS", "Workload", "WorkloadError", "builtin", "from_source", "load"]
+
+DIMENSIONS = ("depth", "width", "resolution")
+
+
+class WorkloadError(Exception):
+    """A model file (or built-in model) that cannot be used, and what to fix."""
+
+
+def _default_optimizer(parameters) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
+
+
+@dataclass
+class Workload:
+    """A model to tune: factory, batch maker, loss and optimizer."""
+
+    name: str
+    factory: Callable[..., nn.Module]
+    batch: Callable[..., tuple]
+    loss: Callable = F.cross_entropy
+    optimizer: Callable = _default_optimizer
+    dims: dict[str, float] = field(default_factory=dict)  # scalable keyword -> default value
+    source: str = ""  # the model file's path, or "builtin:NAME" (to rebuild it elsewhere)
+
+    def model(self, **sizes) -> nn.Module:
+        """The model at ``sizes`` (scalable keywords only)."""
+        return self.factory(**{k: v for k, v in sizes.items() if k in self.dims})
+
+    def make_batch(self, batch: int, resolution=None) -> tuple:
+        if resolution is not None and "resolution" in self._batch_params():
+            return self.batch(batch, resolution=resolution)
+        return self.batch(batch)
+
+    def _batch_params(self) -> set[str]:
+        return set(inspect.signature(self.batch).parameters)
+
+    def require(self, dim: str) -> None:
+        """Raise if ``dim`` is not a scalable keyword of the factory."""
+        if dim not in DIMENSIONS:
+            raise WorkloadError(f"--dim must be one of {', '.join(DIMENSIONS)}, not {dim!r}.")
+        if dim not in self.dims:
+            have = ", ".join(self.dims) or "none"
+            raise WorkloadError(
+                f"{self.name} cannot be scaled in {dim}: its build_model() has no {dim!r} "
+                f"keyword argument (it accepts: {have}). Add `{dim}=...` to build_model's "
+                f"signature and use it to size the model"
+                + (", and accept `resolution=` in make_batch as well." if dim == "resolution"
+                   else "."))
+
+    def check(self, batch: int = 2) -> None:
+        """Dry-run one step under FakeTensorMode (no arithmetic); raise WorkloadError."""
+        with FakeTensorMode(), torch.device("cpu"):
+            model = self._call("build_model()", self.model)
+            if not isinstance(model, nn.Module):
+                raise WorkloadError(f"{self.name}: build_model() returned "
+                                    f"{type(model).__name__}, not a torch.nn.Module.")
+            made = self._call(f"make_batch({batch})", self.make_batch, batch)
+            if not (isinstance(made, tuple | list) and len(made) == 2):
+                raise WorkloadError(f"{self.name}: make_batch() must return a pair "
+                                    f"(inputs, targets), got {type(made).__name__}.")
+            inputs, targets = made
+            out = self._call("the model's forward pass", model, inputs)
+            if not isinstance(out, torch.Tensor):
+                raise WorkloadError(
+                    f"{self.name}: the model returned {type(out).__name__}, not a tensor. "
+                    f"Return the outputs (e.g. logits) as one tensor, or wrap the model so "
+                    f"that it does.")
+            loss = self._call("loss_fn(outputs, targets) (check the targets' shape and "
+                              f"dtype: outputs are {tuple(out.shape)}, targets are "
+                              f"{_describe(targets)})", self.loss, out, targets)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise WorkloadError(f"{self.name}: loss_fn must return a scalar tensor, got "
+                                    f"{_describe(loss)}.")
+            self._call("make_optimizer(parameters)", self.optimizer, model.parameters())
+
+    def _call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except WorkloadError:
+            raise
+        except Exception as err:
+            raise WorkloadError(f"{self.name}: {what} raised {type(err).__name__}: "
+                                f"{_first_line(err)}") from err
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {tuple(value.shape)} {str(value.dtype).replace('torch.', '')} tensor"
+    return type(value).__name__
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else "(no message)"
+
+
+def builtin(name: str) -> Workload:
+    """A built-in model (``actune.zoo.MODELS``) as a workload."""
+    spec = zoo.MODELS.get(name.lower())
+    if spec is None:
+        raise WorkloadError(f"no built-in model {name!r}; choose one of "
+                            f"{', '.join(zoo.MODELS)} or pass a model file.")
+
+    def batch(batch_size: int, resolution: int | None = None):
+        return zoo.make_batch(spec, batch_size, resolution)
+
+    dims = {"depth": 1.0, "width": 1.0, "resolution": spec.resolution}
+    if spec.name == "tinycnn":
+        dims = {"width": 1.0, "resolution": spec.resolution}
+    return Workload(spec.name, spec.factory, batch, dims=dims, source=f"builtin:{spec.name}")
+
+
+def load(path: str | Path) -> Workload:
+    """Load a model file; raise WorkloadError saying what to fix."""
+    p = Path(path)
+    if not p.is_file():
+        raise WorkloadError(f"model file {str(p)!r} does not exist. Pass the path of a Python "
+                            f"file that defines build_model() and make_batch(), or use "
+                            f"--model with one of: {', '.join(zoo.MODELS)}.")
+    source = p.read_text()
+    try:
+        compile(source, str(p), "exec")
+    except SyntaxError as err:
+        raise WorkloadError(f"{p.name} has a syntax error at line {err.lineno}: {err.msg}. "
+                            f"Fix the file and run again.") from err
+    spec = importlib.util.spec_from_file_location(f"actune_model_{p.stem}", p)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        raise WorkloadError(f"{p.name} raised {type(err).__name__} while being imported "
+                            f"(line {frame.lineno}): {_first_line(err)}") from err
+    missing = [n for n in ("build_model", "make_batch") if not callable(getattr(module, n, None))]
+    if missing:
+        raise WorkloadError(
+            f"{p.name} does not define {' and '.join(f'{m}()' for m in missing)}. A model file "
+            f"needs build_model(**sizes) returning an nn.Module and make_batch(batch_size) "
+            f"returning (inputs, targets); see docs/tuning.md.")
+    factory = module.build_model
+    params = inspect.signature(factory).parameters
+    dims = {d: params[d].default for d in DIMENSIONS if d in params}
+    return Workload(p.stem, factory, module.make_batch,
+                    loss=getattr(module, "loss_fn", F.cross_entropy),
+                    optimizer=getattr(module, "make_optimizer", _default_optimizer),
+                    dims=dims, source=str(p.resolve()))
+
+
+def from_source(source: str) -> Workload:
+    """The workload a ``Workload.source`` string names."""
+    return builtin(source[8:]) if source.startswith("builtin:") else load(source)

@@ -1,0 +1,66 @@
+"""The search, on injected fits() with exact expected answers (no model involved)."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from actune.tune.search import Probe, largest_fitting
+
+
+def linear(limit: int, per: int = 10, base: int = 100):
+    """A trial whose peak grows by ``per`` bytes a sample; fits while peak <= budget."""
+    budget = base + per * limit
+
+    def trial(n: int) -> Probe:
+        peak = base + per * n
+        return Probe(n, peak <= budget, peak)
+
+    return trial, budget
+
+
+@given(limit=st.integers(1, 5000), start=st.integers(1, 64), step=st.sampled_from([1, 4, 8]))
+def test_bracket_and_bisect_finds_the_exact_largest_multiple(limit, start, step):
+    trial, _ = linear(limit)
+    result = largest_fitting(lambda n: Probe(n, trial(n).fits), start=start, step=step)
+    expected = limit // step * step
+    assert result.value == (expected if expected >= step else None)
+    assert len(result.probes) <= 2 * (limit.bit_length() + 2)
+
+
+@given(limit=st.integers(2, 100000), step=st.sampled_from([1, 8]))
+def test_prediction_from_peaks_needs_at_most_four_probes_on_a_line(limit, step):
+    trial, budget = linear(limit)
+    result = largest_fitting(trial, start=1, step=step, budget=budget)
+    expected = limit // step * step
+    assert result.value == (expected if expected >= step else None)
+    if expected >= 2 * step:
+        assert len(result.probes) <= 4
+
+
+def test_nothing_fits():
+    result = largest_fitting(lambda n: Probe(n, False), start=8)
+    assert result.value is None
+    assert [p.size for p in result.probes] == [8, 1]
+
+
+def test_max_caps_and_says_so():
+    result = largest_fitting(lambda n: Probe(n, True), start=1, maximum=100)
+    assert result.value == 100 and result.capped
+
+
+def test_interrupt_returns_the_best_so_far():
+    def trial(n):
+        if n > 16:
+            raise KeyboardInterrupt
+        return Probe(n, True)
+
+    result = largest_fitting(trial, start=1)
+    assert result.value == 16 and not result.complete
+
+
+def test_errors_other_than_out_of_memory_propagate():
+    def trial(n):
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        largest_fitting(trial)
