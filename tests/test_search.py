@@ -64,3 +64,18 @@ def test_errors_other_than_out_of_memory_propagate():
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
         largest_fitting(trial)
+
+
+@given(limit=st.integers(20, 50000), curve=st.floats(0.0, 3.0))
+def test_prediction_on_a_curved_peak_is_exact_and_cheap(limit, curve):
+    """A fixed cost that bends the line at small sizes (as real peaks do) still ends at the
+    exact answer, in far fewer probes than bisection would need."""
+
+    def peak(n):
+        return 1000 + 10 * n + curve * 2000 * min(n, 16) ** 0.5
+
+    budget = peak(limit)
+    result = largest_fitting(lambda n: Probe(n, peak(n) <= budget, peak(n)), start=8,
+                             budget=budget)
+    assert result.value == limit
+    assert len(result.probes) <= 10

@@ -47,53 +47,86 @@ class Peak:
         return asdict(self)
 
 
-# A training step: given a callback for the compression statistics, run forward, backward
-# and the optimizer step. ``build`` returns (model, optimizer, step).
-Step = Callable[[Callable[[CompressionStats], None]], None]
-Build = Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer, Step]]
+# A training step: given the model, its optimizer, a batch size and a callback for the
+# compression statistics, run forward, backward and the optimizer step.
+Step = Callable[[torch.nn.Module, torch.optim.Optimizer, int,
+                 Callable[[CompressionStats], None]], None]
+BuildModel = Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]
 
 
-def measure_step(build: Build, mode: str = "estimate", device: str = "cpu",
-                 round_to: int | None = None) -> Peak:
-    """Peak of one steady-state training step built by ``build``.
+class StepMeter:
+    """Peaks of training steps of one model at several batch sizes.
 
-    ``mode`` is ``estimate`` (fake tensors, no arithmetic) or ``measure`` (real tensors on
-    ``device``). The step runs once first so optimizer state exists, then once tracked.
+    The model and optimizer are built once and warmed up with one step (so optimizer state
+    exists: the steady state), then each :meth:`peak` tracks one step. ``mode`` is
+    ``estimate`` (fake tensors, no arithmetic) or ``measure`` (real tensors on ``device``).
     """
-    if mode not in ("estimate", "measure"):
-        raise ValueError(f"mode must be 'estimate' or 'measure', not {mode!r}")
-    if mode == "measure" and torch.device(device).type == "cuda":
-        return _measure_cuda(build, device)
-    fake = mode == "estimate"
-    outer = FakeTensorMode() if fake else contextlib.nullcontext()
-    rounding = _rounding(round_to) if round_to else contextlib.nullcontext()
-    offload = simulated_offload() if fake else contextlib.nullcontext()
-    with outer, torch.device("cpu" if fake else device), offload:
-        model, opt, step = build()
-        step(lambda _s: None)
-        stats: list[CompressionStats] = []
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
-        with rounding, tracker:
-            step(stats.append)
-        snap = tracker.get_tracker_snapshot("peak")
-    host = sum(v.get(mem_tracker._TOTAL_KEY, 0) for d, v in snap.items() if d.type == "meta")
-    dev = [v for d, v in snap.items() if d.type != "meta"]
-    return _peak(dev[0] if dev else {}, stats, host)
+
+    def __init__(self, build: BuildModel, step: Step, mode: str = "estimate",
+                 device: str = "cpu", round_to: int | None = None,
+                 warmup_batch: int = 2) -> None:
+        if mode not in ("estimate", "measure"):
+            raise ValueError(f"mode must be 'estimate' or 'measure', not {mode!r}")
+        self.build, self.step, self.mode, self.device = build, step, mode, device
+        self.round_to, self.warmup_batch = round_to, warmup_batch
+        self.fake = FakeTensorMode() if mode == "estimate" else None
+        self.model = self.opt = None
+        self._cache: dict[int, Peak] = {}
+
+    @contextlib.contextmanager
+    def _context(self):
+        outer = self.fake if self.fake is not None else contextlib.nullcontext()
+        offload = simulated_offload() if self.fake is not None else contextlib.nullcontext()
+        with outer, torch.device("cpu" if self.fake is not None else self.device), offload:
+            yield
+
+    def peak(self, batch: int) -> Peak:
+        """Peak of one steady-state step at ``batch`` (remembered per batch)."""
+        if batch in self._cache:
+            return self._cache[batch]
+        if self.mode == "measure" and torch.device(self.device).type == "cuda":
+            result = _measure_cuda(self, batch)
+        else:
+            rounding = _rounding(self.round_to) if self.round_to else contextlib.nullcontext()
+            with self._context():
+                self._warm()
+                stats: list[CompressionStats] = []
+                tracker = MemTracker()
+                tracker.track_external(self.model, self.opt)
+                with rounding, tracker:
+                    self.step(self.model, self.opt, batch, stats.append)
+                snap = tracker.get_tracker_snapshot("peak")
+            host = sum(v.get(mem_tracker._TOTAL_KEY, 0) for d, v in snap.items()
+                       if d.type == "meta")
+            dev = [v for d, v in snap.items() if d.type != "meta"]
+            result = _peak(dev[0] if dev else {}, stats, host)
+        self._cache[batch] = result
+        return result
+
+    def _warm(self) -> None:
+        if self.model is None:
+            self.model, self.opt = self.build()
+            self.step(self.model, self.opt, self.warmup_batch, lambda _s: None)
 
 
-def _measure_cuda(build: Build, device: str) -> Peak:  # pragma: no cover - needs a GPU
+def measure_step(build: BuildModel, step: Step, batch: int, mode: str = "estimate",
+                 device: str = "cpu", round_to: int | None = None) -> Peak:
+    """Peak of one steady-state training step at ``batch`` (see :class:`StepMeter`)."""
+    return StepMeter(build, step, mode, device, round_to).peak(batch)
+
+
+def _measure_cuda(meter: StepMeter, batch: int) -> Peak:  # pragma: no cover - needs a GPU
+    device = meter.device
     torch.cuda.synchronize(device)
     with torch.device(device):
-        model, opt, step = build()
-        step(lambda _s: None)
+        meter._warm()
         torch.cuda.synchronize(device)
         stats: list[CompressionStats] = []
         tracker = MemTracker()
-        tracker.track_external(model, opt)
+        tracker.track_external(meter.model, meter.opt)
         torch.cuda.reset_peak_memory_stats(device)
         with tracker:
-            step(stats.append)
+            meter.step(meter.model, meter.opt, batch, stats.append)
         torch.cuda.synchronize(device)
         total = torch.cuda.max_memory_allocated(device)
     snap = tracker.get_tracker_snapshot("peak")

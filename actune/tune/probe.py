@@ -7,6 +7,7 @@ actune.tune.probe``), so an out-of-memory error there poisons nothing, with a ti
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import torch
 
 import actune
 from actune.levels import Level
-from actune.memory import Peak, measure_step
+from actune.memory import Peak, StepMeter
 from actune.tune.oom import is_oom
 from actune.tune.search import Probe
 from actune.tune.workload import Workload, from_source
@@ -43,31 +44,33 @@ class Trial:
     device: str = "cpu"
     round_to: int | None = None
 
-    def build(self, batch: int):
-        """A ``memory.Build``: model, optimizer and one training step at ``batch``."""
-        wl, level = self.workload, self.level
+    def _parts(self):
+        wl, level, sizes = self.workload, self.level, self.sizes
 
         def build():
-            model = wl.model(**self.sizes)
-            opt = wl.optimizer(model.parameters())
-            inputs, targets = wl.make_batch(batch, self.sizes.get("resolution"))
+            model = wl.model(**sizes)
+            return model, wl.optimizer(model.parameters())
 
-            def step(sink):
-                opt.zero_grad(set_to_none=True)
-                with actune.compressed(level, stats=sink):
-                    loss = wl.loss(model(inputs), targets)
-                loss.backward()
-                opt.step()
+        def step(model, opt, batch, sink):
+            inputs, targets = wl.make_batch(batch, sizes.get("resolution"))
+            opt.zero_grad(set_to_none=True)
+            with actune.compressed(level, stats=sink):
+                loss = wl.loss(model(inputs), targets)
+            loss.backward()
+            opt.step()
 
-            return model, opt, step
+        return build, step
 
-        return build
+    @functools.cached_property
+    def meter(self) -> StepMeter:
+        """The meter of this trial's steps: the model is built and warmed up once."""
+        return StepMeter(*self._parts(), self.mode, self.device, self.round_to)
 
     def peak(self, batch: int) -> Peak:
         """Peak of one step at ``batch`` (raises on out-of-memory or any other error)."""
         if self.mode == "measure" and torch.device(self.device).type == "cuda":
             return _isolated(self, batch)
-        return measure_step(self.build(batch), self.mode, self.device, self.round_to)
+        return self.meter.peak(batch)
 
     def probe(self, batch: int, budget: int) -> Probe:
         """Does ``batch`` fit ``budget``? Out-of-memory means no; other errors propagate."""
@@ -106,7 +109,7 @@ def _main(argv: list[str]) -> int:  # pragma: no cover - runs in the isolated su
     trial = Trial(from_source(spec["source"]), Level.from_json(spec["level"]), spec["sizes"],
                   "measure", spec["device"])
     try:
-        peak = measure_step(trial.build(spec["batch"]), "measure", spec["device"])
+        peak = StepMeter(*trial._parts(), "measure", spec["device"]).peak(spec["batch"])
     except Exception as err:
         if is_oom(err):
             return 3

@@ -102,10 +102,12 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, dim, {"batch": batch})
     for level in levels:
-        def probe(n: int, level=level) -> Probe:
-            trial = Trial(workload, level, {dim: n * unit}, settings.mode, settings.device,
-                          settings.round_to)
-            return trial.probe(batch, settings.budget.bytes)
+        trials: dict[int, Trial] = {}
+
+        def probe(n: int, level=level, trials=trials) -> Probe:
+            trials[n] = Trial(workload, level, {dim: n * unit}, settings.mode,
+                              settings.device, settings.round_to)
+            return trials[n].probe(batch, settings.budget.bytes)
 
         result = largest_fitting(probe, start=start, step=step, maximum=cap,
                                  on_probe=(lambda p, lv=level: on_probe(lv, p)) if on_probe
@@ -115,8 +117,7 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
                           complete=result.complete, capped=result.capped,
                           note=_note(level, settings))
         if value:
-            peak = Trial(workload, level, {dim: value}, settings.mode, settings.device,
-                         settings.round_to).peak(batch)
+            peak = trials[result.value].peak(batch)
             row.peak_bytes, row.host_bytes = peak.total, peak.host
             row.activation_bytes = peak.saved
             row.uncompressed_activation_bytes = peak.saved_uncompressed

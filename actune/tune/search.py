@@ -78,7 +78,7 @@ def largest_fitting(trial: Callable[[int], Probe], *, start: int = 1, step: int 
         else:
             lo = n
             if budget is not None and first.peak is not None:
-                lo, hi = _predict(probe, n, step, maximum, budget, lo)
+                lo, hi = _secant(probe, lo, step, maximum, budget)
         # grow geometrically until something does not fit (or the cap)
         while hi is None:
             if maximum is not None and lo >= maximum:
@@ -107,32 +107,53 @@ def largest_fitting(trial: Callable[[int], Probe], *, start: int = 1, step: int 
         return result
 
 
-def _predict(probe, n1: int, step: int, maximum: int | None, budget: int,
-             lo: int) -> tuple[int, int | None]:
-    """Fit peak = a + b * n through two probes; check the predicted largest size and the next.
-
-    Returns the (lo, hi) bracket to continue from (hi None when nothing failed yet).
-    """
-    p1 = probe(n1)
-    n2 = n1 * 2 if maximum is None else min(n1 * 2, maximum)
-    if n2 == n1:
+def _secant(probe, lo: int, step: int, maximum: int | None,
+            budget: int) -> tuple[int, int | None]:
+    """Predict the largest fitting size from peaks: extrapolate a line through the two
+    largest fitting probes, then interpolate between the bracket's ends (regula falsi, with a
+    bisection whenever one end moves twice in a row). Returns the final (lo, hi) bracket."""
+    fit = [(lo, probe(lo).peak)]
+    hi = None
+    hi_peak = None
+    nxt = lo * 2 if maximum is None else min(lo * 2, maximum)
+    if nxt == lo:
         return lo, None
-    p2 = probe(n2)
-    if not p2.fits:
-        return lo, n2
-    lo = n2
-    slope = (p2.peak - p1.peak) / (n2 - n1)
-    if slope <= 0:
-        return lo, None
-    guess = _round_down(n2 + (budget - p2.peak) / slope, step)
-    if maximum is not None:
-        guess = min(guess, maximum)
-    if guess <= lo:
-        return lo, None
-    if probe(guess).fits:
-        lo = guess
-        if maximum is not None and guess >= maximum:
-            return lo, None
-        after = guess + step
-        return (lo, after) if not probe(after).fits else (after, None)
-    return lo, guess
+    p = probe(nxt)
+    if p.fits:
+        lo = nxt
+        fit.append((nxt, p.peak))
+    else:
+        hi, hi_peak = nxt, p.peak
+    same_side = 0
+    last_side = None
+    while hi is None or hi - lo > step:
+        a, pa = fit[-1]
+        if hi is None or hi_peak is None:
+            b, pb = fit[-2] if len(fit) > 1 else (None, None)
+        else:
+            b, pb = hi, hi_peak
+        if b is None or pb is None or pb == pa or same_side >= 2:
+            if hi is None:
+                return lo, None  # no line to follow: grow geometrically instead
+            guess = (lo + hi) // 2
+            same_side = 0
+        else:
+            guess = a + (budget - pa) * (b - a) / (pb - pa)
+        guess = _round_down(guess, step)
+        guess = max(guess, lo + step)
+        if hi is not None:
+            guess = min(guess, hi - step)
+        if maximum is not None:
+            if lo >= maximum:
+                return lo, None
+            guess = min(guess, maximum)
+        p = probe(guess)
+        side = p.fits
+        same_side = same_side + 1 if side == last_side else 1
+        last_side = side
+        if p.fits:
+            lo = guess
+            fit.append((guess, p.peak))
+        else:
+            hi, hi_peak = guess, p.peak
+    return lo, hi
