@@ -109,51 +109,57 @@ def largest_fitting(trial: Callable[[int], Probe], *, start: int = 1, step: int 
 
 def _secant(probe, lo: int, step: int, maximum: int | None,
             budget: int) -> tuple[int, int | None]:
-    """Predict the largest fitting size from peaks: extrapolate a line through the two
-    largest fitting probes, then interpolate between the bracket's ends (regula falsi, with a
-    bisection whenever one end moves twice in a row). Returns the final (lo, hi) bracket."""
+    """Predict the largest fitting size from peaks (regula falsi).
+
+    A line through the two largest fitting probes is extrapolated to the budget; once a size
+    does not fit, the line runs between the two ends of the bracket. A prediction that fits is
+    checked by probing the next size; an end that moves twice running without closing the
+    bracket is followed by a bisection. Returns the (lo, hi) bracket reached (hi None: nothing
+    failed yet, the caller grows geometrically).
+    """
     fit = [(lo, probe(lo).peak)]
-    hi = None
-    hi_peak = None
-    nxt = lo * 2 if maximum is None else min(lo * 2, maximum)
-    if nxt == lo:
+    hi = hi_peak = None
+    first = lo * 2 if maximum is None else min(lo * 2, maximum)
+    if first == lo:
         return lo, None
-    p = probe(nxt)
+    p = probe(first)
     if p.fits:
-        lo = nxt
-        fit.append((nxt, p.peak))
+        lo = first
+        fit.append((first, p.peak))
     else:
-        hi, hi_peak = nxt, p.peak
-    same_side = 0
-    last_side = None
+        hi, hi_peak = first, p.peak
+    check = False  # the last probe was a prediction that fit: probe the size after it
+    moves: list[bool] = []  # which end each probe moved (True: lo)
     while hi is None or hi - lo > step:
-        a, pa = fit[-1]
-        if hi is None or hi_peak is None:
-            b, pb = fit[-2] if len(fit) > 1 else (None, None)
-        else:
-            b, pb = hi, hi_peak
-        if b is None or pb is None or pb == pa or same_side >= 2:
+        if maximum is not None and lo >= maximum:
+            return lo, None
+        line = None
+        if hi is not None and hi_peak is not None:
+            line = (fit[-1], (hi, hi_peak))
+        elif hi is None and len(fit) > 1:
+            line = (fit[-2], fit[-1])
+        stalled = hi is not None and len(moves) >= 2 and moves[-1] == moves[-2] and not check
+        if check:
+            guess = lo + step
+        elif line is None or line[0][1] == line[1][1] or stalled:
             if hi is None:
-                return lo, None  # no line to follow: grow geometrically instead
+                return lo, None
             guess = (lo + hi) // 2
-            same_side = 0
         else:
+            (a, pa), (b, pb) = line
             guess = a + (budget - pa) * (b - a) / (pb - pa)
-        guess = _round_down(guess, step)
-        guess = max(guess, lo + step)
+        guess = max(_round_down(guess, step), lo + step)
         if hi is not None:
             guess = min(guess, hi - step)
         if maximum is not None:
-            if lo >= maximum:
-                return lo, None
             guess = min(guess, maximum)
         p = probe(guess)
-        side = p.fits
-        same_side = same_side + 1 if side == last_side else 1
-        last_side = side
+        moves.append(p.fits)
         if p.fits:
+            check = not check
             lo = guess
             fit.append((guess, p.peak))
         else:
+            check = False
             hi, hi_peak = guess, p.peak
     return lo, hi
