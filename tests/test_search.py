@@ -78,4 +78,4 @@ def test_prediction_on_a_curved_peak_is_exact_and_cheap(limit, curve):
     result = largest_fitting(lambda n: Probe(n, peak(n) <= budget, peak(n)), start=8,
                              budget=budget)
     assert result.value == limit
-    assert len(result.probes) <= 6
+    assert len(result.probes) <= 8  # bisection alone would need up to 26
