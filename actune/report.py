@@ -114,25 +114,26 @@ def render(report: Report, console: Console) -> None:
     table = Table(title=title, title_justify="left")
     table.add_column("level")
     if report.command == "bench":
-        cols = ("batch", "samples/s", "vs L0", "peak", "activations", "compression", "host")
+        cols = ("batch", "samples/s", "vs L0", "peak", "saved (ratio)")
     else:
         label = "max batch" if report.dim == "batch" else f"max {report.dim}"
-        cols = (label, "vs L0", "peak", "activations", "compression", "host", "probes")
+        cols = (label, "vs L0", "peak", "saved (ratio)", "host", "probes")
     for col in cols:
         table.add_column(col, justify="right")
     table.add_column("note")
     for r in report.levels:
         ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
-        comp = f"{r.compression:.1f}x" if r.compression else "-"
-        host = human_bytes(r.host_bytes) if r.host_bytes else "-"
+        saved = human_bytes(r.activation_bytes)
+        if r.compression:
+            saved += f" ({r.compression:.1f}x)"
         if report.command == "bench":
             sps = f"{r.samples_per_s:,.1f}" if r.samples_per_s else "-"
-            row = (_fmt_value("batch", r.value), sps, ratio, human_bytes(r.peak_bytes),
-                   human_bytes(r.activation_bytes), comp, host)
+            row = (_fmt_value("batch", r.value), sps, ratio, human_bytes(r.peak_bytes), saved)
         else:
-            row = (_fmt_value(report.dim, r.value), ratio, human_bytes(r.peak_bytes),
-                   human_bytes(r.activation_bytes), comp, host, str(len(r.probes)))
-        note = r.note + ("" if r.complete else " (interrupted: best so far)")
-        note += " (capped by --max)" if r.capped else ""
+            host = human_bytes(r.host_bytes) if r.host_bytes else "-"
+            row = (_fmt_value(report.dim, r.value), ratio, human_bytes(r.peak_bytes), saved,
+                   host, str(len(r.probes)))
+        note = r.note + ("" if r.complete else " interrupted: best so far")
+        note += " capped by --max" if r.capped else ""
         table.add_row(r.level, *row, note.strip())
     console.print(table)

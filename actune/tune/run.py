@@ -46,8 +46,8 @@ class Settings:
 def _note(level: Level, settings: Settings) -> str:
     if level.offload and torch.device(settings.device).type != "cuda":
         if settings.mode == "estimate":
-            return "offload simulated: packed activations counted as host memory"
-        return "no offload on a CPU: equals L3"
+            return "offload simulated"
+        return "CPU: no offload, = L3"
     return ""
 
 

@@ -1,0 +1,107 @@
+"""The command line, end to end on small built-in models (estimate mode: no GPU here)."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from actune.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_info_says_plainly_when_there_is_no_gpu():
+    result = run("info")
+    assert result.exit_code == 0, result.output
+    assert "GPU" in result.output and "default budget" in result.output
+
+
+def test_maxbatch_writes_versioned_json_and_compression_gains(tmp_path):
+    out = tmp_path / "r" / "maxbatch.json"
+    result = run("maxbatch", "--model", "resnet18", "--resolution", "32", "--levels", "L0,L3",
+                 "--budget", "256MiB", "--json", str(out), "--multiple-of", "4")
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["schema"] == "actune.result/1" and data["command"] == "maxbatch"
+    l0, l3 = data["levels"]
+    assert (l0["level"], l3["level"]) == ("L0", "L3")
+    assert l0["value"] % 4 == 0 and l3["value"] % 4 == 0
+    assert l3["value"] > 1.5 * l0["value"]  # small images: the forward pass dominates
+    assert l3["peak_bytes"] <= 256 * 2**20 and l3["compression"] > 10
+    assert l3["probes"] and all({"size", "fits", "peak"} <= p.keys() for p in l3["probes"])
+    assert "max batch" in result.output and "L3" in result.output
+
+
+def test_max_caps_the_search():
+    result = run("maxbatch", "--model", "tinycnn", "--levels", "L3", "--budget", "1GiB",
+                 "--max", "64", "--quiet", "--json", "/dev/null")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == ""
+
+
+def test_scale_depth_and_the_error_for_a_missing_dimension(tmp_path):
+    out = tmp_path / "scale.json"
+    result = run("scale", "--model", "resnet18", "--dim", "width", "--batch", "8",
+                 "--levels", "L0,L3", "--budget", "256MiB", "--json", str(out), "--max", "4")
+    assert result.exit_code == 0, result.output
+    levels = json.loads(out.read_text())["levels"]
+    assert levels[1]["value"] >= levels[0]["value"] > 0
+    bad = run("scale", "--model", "tinycnn", "--dim", "depth")
+    assert bad.exit_code == 2
+    assert "cannot be scaled in depth" in bad.output and "Traceback" not in bad.output
+
+
+def test_bench_runs_real_steps_and_relates_to_l0(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run("bench", "--model", "tinycnn", "--resolution", "8", "--batch", "32",
+                 "--levels", "L0,L3", "--steps", "2", "--warmup", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    levels = json.loads(out.read_text())["levels"]
+    assert levels[0]["ratio"] == 1.0 and levels[1]["samples_per_s"] > 0
+    assert "samples/s" in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("maxbatch", "--levels", "L9"), "valid levels: L0, L1, L2, L3, L4, L5"),
+    (("maxbatch", "missing_model.py"), "does not exist"),
+    (("maxbatch", "--budget", "lots"), "is not a size"),
+    (("maxbatch", "--model", "vgg"), "no built-in model"),
+    (("maxbatch", "--mode", "guess"), "--mode must be estimate or measure"),
+])
+def test_bad_input_exits_2_with_a_message_and_no_traceback(args, message):
+    result = run(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_debug_shows_the_traceback():
+    result = run("maxbatch", "missing_model.py", "--debug")
+    assert result.exit_code != 0
+    assert result.exception is not None
+
+
+def test_json_of_finished_levels_survives_an_interrupt(tmp_path, monkeypatch):
+    from actune.tune import run as tune_run
+
+    out = tmp_path / "partial.json"
+    real = tune_run.Trial.probe
+    calls = {"n": 0}
+
+    def flaky(self, batch, budget):
+        if self.level.name == "L3":
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return real(self, batch, budget)
+
+    monkeypatch.setattr(tune_run.Trial, "probe", flaky)
+    result = run("maxbatch", "--model", "tinycnn", "--levels", "L0,L3", "--budget", "64MiB",
+                 "--json", str(out))
+    assert result.exit_code == 130
+    l0, l3 = json.loads(out.read_text())["levels"]
+    assert l0["complete"] and l0["value"]
+    assert not l3["complete"] and l3["value"] is None  # marked, not passed off as a result

@@ -1,0 +1,66 @@
+"""Model files: the contract and every error a user can make, phrased as what to fix."""
+
+import textwrap
+
+import pytest
+
+from actune.tune.workload import WorkloadError, builtin, load
+
+GOOD = """
+import torch
+from torch import nn
+
+def build_model(width=1.0, resolution=8):
+    return nn.Sequential(nn.Flatten(), nn.Linear(resolution * resolution, round(16 * width)))
+
+def make_batch(batch_size, resolution=8):
+    return torch.randn(batch_size, 1, resolution, resolution), torch.randint(0, 16, (batch_size,))
+"""
+
+
+def write(tmp_path, text, name="model.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_good_file_loads_and_reports_its_scalable_dimensions(tmp_path):
+    wl = load(write(tmp_path, GOOD))
+    wl.check()
+    assert wl.dims == {"width": 1.0, "resolution": 8}
+    wl.require("width")
+    with pytest.raises(WorkloadError, match=r"no 'depth' keyword.*accepts: width, resolution"):
+        wl.require("depth")
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("def build_model(:\n", "syntax error at line 1"),
+    ("import torch\n", "does not define build_model\\(\\) and make_batch\\(\\)"),
+    ("raise RuntimeError('boom')\n", "raised RuntimeError while being imported.*boom"),
+    (GOOD.replace("return nn.Sequential", "raise ValueError('bad width'); return nn.Sequential"),
+     "build_model\\(\\) raised ValueError: bad width"),
+    (GOOD.replace("return nn.Sequential(nn.Flatten(), nn.Linear(resolution * resolution, "
+                  "round(16 * width)))",
+                  "return nn.Sequential(nn.Flatten(), Pair())\n"
+                  "class Pair(nn.Module):\n    def forward(self, x):\n        return (x, x)"),
+     "returned tuple, not a tensor"),
+    (GOOD.replace("torch.randint(0, 16, (batch_size,))", "torch.randint(0, 16, (batch_size, 3))"),
+     "loss_fn\\(outputs, targets\\).*targets are a \\(2, 3\\) int64 tensor"),
+    (GOOD.replace("return torch.randn(batch_size, 1, resolution, resolution), "
+                  "torch.randint(0, 16, (batch_size,))", "return 5"),
+     "must return a pair \\(inputs, targets\\)"),
+])
+def test_each_mistake_gets_a_message_that_says_what_to_fix(tmp_path, text, match):
+    with pytest.raises(WorkloadError, match=match):
+        load(write(tmp_path, text)).check()
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(WorkloadError, match="does not exist"):
+        load(tmp_path / "nope.py")
+
+
+def test_builtin_models():
+    assert builtin("resnet50").dims == {"depth": 1.0, "width": 1.0, "resolution": 224}
+    with pytest.raises(WorkloadError, match="no built-in model 'vgg'"):
+        builtin("vgg")
