@@ -47,5 +47,16 @@ actune maxbatch --model resnet50 --levels L0,L3 --mode measure --multiple-of 8 \
   --json "$out/maxbatch_measure.json" | tee "$out/maxbatch_measure.txt"
 actune maxbatch --model resnet50 --levels L0-L5 --mode estimate \
   --json "$out/maxbatch_estimate.json" | tee "$out/maxbatch_estimate.txt"
+python - <<'PY' 2>&1 | tee "$out/estimate_vs_measured.txt"
+from actune.levels import LEVELS
+from actune.tune.probe import Trial
+from actune.tune.workload import builtin
+wl = builtin("resnet50")
+for name, level in LEVELS.items():
+    est = Trial(wl, level, {}, "estimate", "cpu", 512).peak(64)
+    real = Trial(wl, level, {}, "measure", "cuda").peak(64)
+    print(f"{name}: estimate {est.total / 2**20:,.0f} MiB (+{est.host / 2**20:,.0f} host), "
+          f"measured {real.total / 2**20:,.0f} MiB, ratio {est.total / real.total:.3f}")
+PY
 actune bench --model resnet50 --resolution 224 --batch 64 --levels L0-L5 \
   --json "$out/bench.json" | tee "$out/bench.txt"

@@ -107,13 +107,17 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
         def probe(n: int, level=level, trials=trials) -> Probe:
             trials[n] = Trial(workload, level, {dim: n * unit}, settings.mode,
                               settings.device, settings.round_to)
-            return trials[n].probe(batch, settings.budget.bytes)
+            p = trials[n].probe(batch, settings.budget.bytes)
+            return Probe(n, p.fits, p.peak)  # the size searched is the dimension, not the batch
 
         result = largest_fitting(probe, start=start, step=step, maximum=cap,
+                                 budget=settings.budget.bytes
+                                 if settings.mode == "estimate" else None,
                                  on_probe=(lambda p, lv=level: on_probe(lv, p)) if on_probe
                                  else None)
         value = result.value * unit if result.value else None
-        row = LevelResult(level.name, value, probes=_probes(result.probes),
+        row = LevelResult(level.name, value,
+                          probes=[{**p, "size": p["size"] * unit} for p in _probes(result.probes)],
                           complete=result.complete, capped=result.capped,
                           note=_note(level, settings))
         if value:

@@ -50,6 +50,8 @@ def test_scale_depth_and_the_error_for_a_missing_dimension(tmp_path):
     assert result.exit_code == 0, result.output
     levels = json.loads(out.read_text())["levels"]
     assert levels[1]["value"] >= levels[0]["value"] > 0
+    assert {p["size"] for p in levels[0]["probes"]} != {8}  # widths tried, not the batch
+    assert max(p["size"] for p in levels[0]["probes"] if p["fits"]) == levels[0]["value"]
     bad = run("scale", "--model", "tinycnn", "--dim", "depth")
     assert bad.exit_code == 2
     assert "cannot be scaled in depth" in bad.output and "Traceback" not in bad.output
