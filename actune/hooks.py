@@ -102,7 +102,7 @@ def simulated_offload() -> Iterator[None]:
 class _Saved:
     """What the pack hook returns for a compressed tensor."""
 
-    __slots__ = ("__weakref__", "device", "host", "packed", "unpacked")
+    __slots__ = ("__weakref__", "device", "gets", "held", "host", "packed", "unpacked", "uses")
 
     def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool) -> None:
         self.packed = packed
@@ -114,6 +114,9 @@ class _Saved:
         elif self.host:  # pinned host copies, copied asynchronously on the current stream
             self.packed = _to_device(packed, torch.device("cpu"), pin=True)
         self.unpacked: weakref.ref | None = None
+        self.uses = 1  # how many saved slots hold this (a storage saved by several ops)
+        self.gets = 0
+        self.held: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -122,14 +125,17 @@ class _Saved:
     def get(self) -> torch.Tensor:
         if torch.is_grad_enabled():
             raise DoubleBackwardError(_DOUBLE_BACKWARD)
-        cached = self.unpacked() if self.unpacked is not None else None
-        if cached is not None:  # another node is still using the same storage
-            return cached
-        packed = _to_device(self.packed, self.device) if self.host else self.packed
-        if isinstance(packed, torch.Tensor):
-            return packed
-        out = unpack_mask(packed) if isinstance(packed, PackedMask) else dequantize(packed)
-        self.unpacked = weakref.ref(out)
+        self.gets += 1
+        out = self.unpacked() if self.unpacked is not None else None
+        if out is None:  # not alive in another node: dequantize
+            packed = _to_device(self.packed, self.device) if self.host else self.packed
+            if isinstance(packed, torch.Tensor):
+                return packed
+            out = unpack_mask(packed) if isinstance(packed, PackedMask) else dequantize(packed)
+            self.unpacked = weakref.ref(out)
+        # keep it for the other slots that will ask (a ReLU output: the next layer's backward,
+        # then the ReLU's, right after it); released when the last one has it
+        self.held = out if self.gets < self.uses else None
         return out
 
 
@@ -253,6 +259,7 @@ class _Session:
     def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> _Saved:
         found = self._cached((*_storage_key(t), bits))
         if found is not None:
+            found.uses += 1
             return found
         saved = _Saved(make(), self.level.offload)
         self._remember(t, bits, saved)
@@ -532,6 +539,14 @@ def _window_grid(out_shape, kernel, stride, padding):
 
 def _window_offsets(idx, in_spatial, kernel, stride, padding, dilation):
     """Flat input indices -> offset inside each window (row-major over the kernel)."""
+    if _numba_pool(idx, kernel):
+        from actune_kernels import pool
+
+        planes = idx.numel() // math.prod(idx.shape[-2:])
+        out = torch.empty((planes, math.prod(idx.shape[-2:])), dtype=torch.uint8)
+        pool.offsets_2d(idx.reshape(planes, *idx.shape[-2:]).numpy(), out.numpy(),
+                        in_spatial[-1], kernel, stride, padding, dilation)
+        return out.view(idx.shape), tuple(in_spatial)
     out_spatial = idx.shape[-len(kernel):]
     starts = [g.to(idx.device, torch.int32)
               for g in _window_grid(out_spatial, kernel, stride, padding)]
@@ -548,7 +563,22 @@ def _window_offsets(idx, in_spatial, kernel, stride, padding, dilation):
     return offset, tuple(in_spatial)
 
 
+def _numba_pool(t: torch.Tensor, kernel) -> bool:
+    """The CPU kernels handle real 2-d CPU tensors; everything else uses torch operations."""
+    return len(kernel) == 2 and type(t) is torch.Tensor and t.device.type == "cpu"
+
+
 def _indices_from_offsets(offsets, in_spatial, kernel, stride, padding, dilation):
+    if _numba_pool(offsets, kernel):
+        from actune_kernels import pool
+
+        out_h, out_w = offsets.shape[-2:]
+        planes = offsets.numel() // (out_h * out_w)
+        idx = torch.empty(offsets.shape, dtype=torch.int64)
+        pool.indices_2d(offsets.reshape(planes, -1).contiguous().numpy(),
+                        idx.view(planes, -1).numpy(), in_spatial[-1], out_h, out_w, kernel,
+                        stride, padding, dilation)
+        return idx
     offsets = offsets.to(torch.int32)
     out_spatial = offsets.shape[-len(kernel):]
     starts = [g.to(offsets.device, torch.int32)

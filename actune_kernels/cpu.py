@@ -65,11 +65,11 @@ def _min_max(words, shift, magnitude, inf_key, positive):  # pragma: no cover - 
 @numba.njit(inline="always")
 def _code(x, fl, up, base, top, zero_code):  # pragma: no cover - jitted
     """The code of element ``x`` at grid position ``fl`` (+1 when rounded ``up``), clamped to
-    [base, top]; in zero-code mode (base 1) code 0 marks an exact zero."""
-    c = min(max(fl + base + (top / top if up else top - top), base), top)
-    if zero_code and not x > 0:
-        return np.uint8(0)
-    return np.uint8(c)
+    [base, top]; in zero-code mode (base 1) code 0 marks an exact zero. Branch-free, so the
+    loops around it vectorize."""
+    lowest = np.int32(base)
+    c = min(max(np.int32(fl) + np.int32(up) + lowest, lowest), np.int32(top))
+    return np.uint8(c * np.int32(x > 0 or not zero_code))
 
 
 @_jit
