@@ -92,7 +92,13 @@ def _progress(quiet: bool):
                     console=console, transient=True)
 
 
-def _callbacks(progress, levels, json_path: Path | None):
+class _Latest:
+    """The report as of the last finished level (printed if the search is interrupted)."""
+
+    report = None
+
+
+def _callbacks(progress, levels, json_path: Path | None, latest: _Latest):
     from actune.report import human_bytes, write_json
 
     task = progress.add_task("starting", total=len(levels)) if progress else None
@@ -104,6 +110,7 @@ def _callbacks(progress, levels, json_path: Path | None):
             progress.update(task, description=f"{level.name}: size {p.size:,} {verdict}{peak}")
 
     def on_level(report):
+        latest.report = report
         if progress:
             progress.advance(task)
         if json_path is not None:
@@ -115,10 +122,20 @@ def _callbacks(progress, levels, json_path: Path | None):
 def _finish(report, quiet: bool, json_path: Path | None) -> None:
     from actune.report import render
 
-    if not quiet:
+    if not quiet and report is not None:
         render(report, console)
         if json_path:
             console.print(f"JSON written to {json_path}")
+
+
+@contextlib.contextmanager
+def _partial_on_interrupt(latest: _Latest, quiet: bool, json_path: Path | None):
+    """Ctrl-C: print what was found so far, then exit 130 (through _errors)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _finish(latest.report, quiet, json_path)
+        raise
 
 
 @app.command()
@@ -143,8 +160,9 @@ def maxbatch(
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
         sizes = {"resolution": resolution} if resolution else {}
         t0 = time.perf_counter()
-        with _progress(quiet) as progress:
-            on_probe, on_level = _callbacks(progress, level_list, json_path)
+        latest = _Latest()
+        with _partial_on_interrupt(latest, quiet, json_path), _progress(quiet) as progress:
+            on_probe, on_level = _callbacks(progress, level_list, json_path, latest)
             report = run.maxbatch(workload, level_list, settings, sizes=sizes,
                                   multiple_of=multiple_of, maximum=max_batch,
                                   on_probe=on_probe, on_level=on_level)
@@ -179,8 +197,9 @@ def scale(
     with _errors(debug):
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
         workload.require(dim)
-        with _progress(quiet) as progress:
-            on_probe, on_level = _callbacks(progress, level_list, json_path)
+        latest = _Latest()
+        with _partial_on_interrupt(latest, quiet, json_path), _progress(quiet) as progress:
+            on_probe, on_level = _callbacks(progress, level_list, json_path, latest)
             report = run.scale(workload, level_list, settings, dim, batch,
                                multiple_of=multiple_of, maximum=max_scale,
                                on_probe=on_probe, on_level=on_level)
@@ -216,8 +235,9 @@ def bench(
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
         sizes = {"resolution": resolution} if resolution and "resolution" in workload.dims \
             else {}
-        with _progress(quiet) as progress:
-            on_probe, on_level = _callbacks(progress, level_list, json_path)
+        latest = _Latest()
+        with _partial_on_interrupt(latest, quiet, json_path), _progress(quiet) as progress:
+            on_probe, on_level = _callbacks(progress, level_list, json_path, latest)
             report = run.bench(workload, level_list, settings, batch=batch, at_max=at_max,
                                sizes=sizes, steps=steps, warmup=warmup, on_probe=on_probe,
                                on_level=on_level)

@@ -126,14 +126,14 @@ def render(report: Report, console: Console) -> None:
         saved = human_bytes(r.activation_bytes)
         if r.compression:
             saved += f" ({r.compression:.1f}x)"
+        value = _fmt_value(report.dim, r.value) if r.complete or r.value else "-"
         if report.command == "bench":
             sps = f"{r.samples_per_s:,.1f}" if r.samples_per_s else "-"
             row = (_fmt_value("batch", r.value), sps, ratio, human_bytes(r.peak_bytes), saved)
         else:
             host = human_bytes(r.host_bytes) if r.host_bytes else "-"
-            row = (_fmt_value(report.dim, r.value), ratio, human_bytes(r.peak_bytes), saved,
-                   host, str(len(r.probes)))
-        note = r.note + ("" if r.complete else " interrupted: best so far")
+            row = (value, ratio, human_bytes(r.peak_bytes), saved, host, str(len(r.probes)))
+        note = r.note + ("" if r.complete else " interrupted")
         note += " capped by --max" if r.capped else ""
         table.add_row(r.level, *row, note.strip())
     console.print(table)

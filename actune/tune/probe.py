@@ -23,7 +23,7 @@ from actune.tune.oom import is_oom
 from actune.tune.search import Probe
 from actune.tune.workload import Workload, from_source
 
-__all__ = ["ProbeError", "Trial", "peak_of"]
+__all__ = ["ProbeError", "Trial"]
 
 #: Seconds one isolated GPU trial may take.
 TRIAL_TIMEOUT = 600
@@ -81,11 +81,6 @@ class Trial:
                 return Probe(batch, False, None)
             raise
         return Probe(batch, peak.total <= budget, peak.total)
-
-
-def peak_of(trial: Trial, batch: int) -> Peak:
-    """Convenience: the peak of ``trial`` at ``batch``."""
-    return trial.peak(batch)
 
 
 def _isolated(trial: Trial, batch: int) -> Peak:  # pragma: no cover - needs a GPU

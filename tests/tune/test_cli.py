@@ -105,5 +105,6 @@ def test_json_of_finished_levels_survives_an_interrupt(tmp_path, monkeypatch):
                  "--json", str(out))
     assert result.exit_code == 130
     l0, l3 = json.loads(out.read_text())["levels"]
+    assert "interrupted" in result.output and f"{l0['value']:,}" in result.output  # printed
     assert l0["complete"] and l0["value"]
     assert not l3["complete"] and l3["value"] is None  # marked, not passed off as a result
