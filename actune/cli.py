@@ -258,6 +258,36 @@ def _require_matplotlib() -> None:
 
 
 @app.command()
+def summary(
+    model_file: ModelFile = None,
+    model: ModelName = "resnet50",
+    level: Annotated[str, typer.Option(help="The level to convert at.")] = "L3",
+    debug: Debug = False,
+) -> None:
+    """What actune.compress converts in a model, what each layer keeps for backward, and
+    what it leaves as it is (and why)."""
+    import torch
+
+    import actune
+    from actune.tune import workload as wl
+
+    with _errors(debug):
+        lv = actune.get_level(level)
+        work = wl.load(model_file) if model_file is not None else wl.builtin(model)
+        with torch.device("meta"):  # structure only: no memory for the weights
+            net = actune.compress(work.model(), lv)
+        table = Table(title=f"actune.compress({work.name}, {lv.name})", title_justify="left")
+        for col in ("module", "layer", "converted", "keeps for backward"):
+            table.add_column(col)
+        rows = actune.summary(net)
+        for row in rows:
+            table.add_row(row.name, row.layer, "yes" if row.converted else "no", row.keeps)
+        console.print(table)
+        done = sum(r.converted for r in rows)
+        console.print(f"{done} of {len(rows)} layers converted")
+
+
+@app.command()
 def info(debug: Debug = False) -> None:
     """The device and its memory (NVML), the kernels, and versions."""
     import numba

@@ -31,7 +31,8 @@ _SUPPORTED: dict[type[nn.Module], str] = {
     **{cls: "packed input (other bits)" for cls in (
         nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm,
         nn.GroupNorm)},
-    **{cls: "1-bit mask" for cls in (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)},
+    nn.ReLU: "its output packed once, zeros exact (shared with the next layer; exact mask)",
+    **{cls: "1-bit mask" for cls in (nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)},
     **{cls: "packed derivative (other bits)" for cls in (nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh)},
     nn.Softmax: "two packed copies of the output (other bits)",
     nn.MaxPool2d: "argmax offset in its window (1 byte)",

@@ -108,3 +108,10 @@ def test_json_of_finished_levels_survives_an_interrupt(tmp_path, monkeypatch):
     assert "interrupted" in result.output and f"{l0['value']:,}" in result.output  # printed
     assert l0["complete"] and l0["value"]
     assert not l3["complete"] and l3["value"] is None  # marked, not passed off as a result
+
+
+def test_summary_lists_what_compress_converts():
+    result = run("summary", "--model", "tinycnn")
+    assert result.exit_code == 0, result.output
+    assert "Conv2d" in result.output and "never substituted" not in result.output
+    assert "layers converted" in result.output
