@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 import threading
 import weakref
@@ -100,23 +101,59 @@ def simulated_offload() -> Iterator[None]:
 
 
 class _Saved:
-    """What the pack hook returns for a compressed tensor."""
+    """What the pack hook returns for a compressed tensor.
 
-    __slots__ = ("__weakref__", "device", "gets", "held", "host", "packed", "unpacked", "uses")
+    With offload on CUDA the packed buffers go to pinned host memory (copied on the current
+    stream); in backward, reading one starts copying the one packed before it (the next that
+    backward needs) back to the device on a side stream, so transfers overlap compute.
+    """
 
-    def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool) -> None:
+    __slots__ = ("__weakref__", "device", "fetch", "gets", "held", "host", "packed", "prev",
+                 "ready", "unpacked", "uses")
+
+    def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool,
+                 prev: _Saved | None = None) -> None:
         self.packed = packed
         self.device = packed.device
         simulate = offload and _SIMULATE_OFFLOAD.get()
         self.host = offload and (packed.device.type == "cuda" or simulate)
+        self.prev = prev if self.host and not simulate else None
+        self.ready = self.fetch = None
         if simulate:
             self.packed = _to_device(packed, torch.device("meta"))
         elif self.host:  # pinned host copies, copied asynchronously on the current stream
             self.packed = _to_device(packed, torch.device("cpu"), pin=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
         self.unpacked: weakref.ref | None = None
         self.uses = 1  # how many saved slots hold this (a storage saved by several ops)
         self.gets = 0
         self.held: torch.Tensor | None = None
+
+    def prefetch(self) -> None:
+        """Start copying the host buffers back to the device on a side stream."""
+        if self.fetch is not None or self.ready is None:
+            return
+        side = _side_stream(self.device)
+        side.wait_event(self.ready)  # the forward's device-to-host copy is complete
+        with torch.cuda.stream(side):
+            packed = _to_device(self.packed, self.device)
+            done = torch.cuda.Event()
+            done.record(side)
+        self.fetch = (packed, done)
+
+    def _from_host(self):
+        if self.fetch is None:
+            self.prefetch()
+        packed, done = self.fetch
+        self.fetch = None
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        for t in _tensors(packed):  # allocated on the side stream, used on this one
+            t.record_stream(current)
+        if self.prev is not None:
+            self.prev.prefetch()
+        return packed
 
     @property
     def nbytes(self) -> int:
@@ -128,7 +165,10 @@ class _Saved:
         self.gets += 1
         out = self.unpacked() if self.unpacked is not None else None
         if out is None:  # not alive in another node: dequantize
-            packed = _to_device(self.packed, self.device) if self.host else self.packed
+            if self.host and self.ready is None:  # simulated offload (estimates)
+                packed = _to_device(self.packed, self.device)
+            else:
+                packed = self._from_host() if self.host else self.packed
             if isinstance(packed, torch.Tensor):
                 return packed
             out = unpack_mask(packed) if isinstance(packed, PackedMask) else dequantize(packed)
@@ -137,6 +177,25 @@ class _Saved:
         # then the ReLU's, right after it); released when the last one has it
         self.held = out if self.gets < self.uses else None
         return out
+
+
+_SIDE_STREAMS: dict[torch.device, object] = {}
+
+
+def _side_stream(device: torch.device):
+    """One side stream per device for prefetching offloaded activations."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _tensors(p) -> tuple[torch.Tensor, ...]:
+    if isinstance(p, torch.Tensor):
+        return (p,)
+    if isinstance(p, PackedMask):
+        return (p.bits8,)
+    return (p.codes, p.meta)
 
 
 def _to_device(p, device: torch.device, pin: bool = False):
@@ -150,8 +209,7 @@ def _to_device(p, device: torch.device, pin: bool = False):
         return move(p)
     if isinstance(p, PackedMask):
         return PackedMask(move(p.bits8), p.shape)
-    return PackedTensor(move(p.codes), move(p.meta), p.bits, p.group_size, p.shape, p.dtype,
-                        p.stride)
+    return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta))
 
 
 def _is_parameter_like(t: torch.Tensor) -> bool:
@@ -179,6 +237,7 @@ class _Session:
         self.kind: str | None = None
         self.cache: dict[tuple, object] = {}
         self.seen: dict[tuple, StorageWeakRef] = {}
+        self.last_offloaded: _Saved | None = None
         self.stats = CompressionStats()
         self._exit: contextlib.ExitStack | None = None
 
@@ -235,6 +294,13 @@ class _Session:
                                            + t.numel() * t.element_size())
         return t
 
+    def _new(self, packed) -> _Saved:
+        """A saved value; offloaded ones are chained in packing order for prefetching."""
+        saved = _Saved(packed, self.level.offload, self.last_offloaded)
+        if saved.ready is not None:
+            self.last_offloaded = saved
+        return saved
+
     def _hold(self, saved: _Saved, kind: str) -> _Saved:
         self.stats.packed += 1
         self.stats.kept_bytes += saved.nbytes
@@ -261,7 +327,7 @@ class _Session:
         if found is not None:
             found.uses += 1
             return found
-        saved = _Saved(make(), self.level.offload)
+        saved = self._new(make())
         self._remember(t, bits, saved)
         return self._hold(saved, kind)
 
@@ -276,7 +342,7 @@ class _Session:
         for r in replaces:
             self.count(r)
         packed = quantize(t, bits, group_size=self.level.group_size, zero_code=zero_code)
-        saved = self._hold(_Saved(packed, self.level.offload), kind)
+        saved = self._hold(self._new(packed), kind)
         if share_as is not None:
             self._remember(share_as, bits, saved, bumps=int(dirty))
         return saved
@@ -285,12 +351,12 @@ class _Session:
         """Integers in [0, 256) kept exactly in one byte each."""
         for r in replaces:
             self.count(r)
-        return self._hold(_Saved(values.to(torch.uint8), self.level.offload), kind)
+        return self._hold(self._new(values.to(torch.uint8)), kind)
 
     def pack_bool(self, mask: torch.Tensor, kind: str, replaces: tuple = ()) -> _Saved:
         for r in replaces:
             self.count(r)
-        return self._hold(_Saved(pack_mask(mask), self.level.offload), kind)
+        return self._hold(self._new(pack_mask(mask)), kind)
 
     # -- entering and leaving ------------------------------------------------------------
 
@@ -309,6 +375,7 @@ class _Session:
             if not self.holds:
                 self.cache.clear()
                 self.seen.clear()
+                self.last_offloaded = None
             exit_stack.close()
             sink, self.stats_sink = self.stats_sink, None
             if sink is not None:
@@ -342,6 +409,7 @@ def shared_cache() -> Iterator[None]:
         if not s.holds and not s.levels:
             s.cache.clear()
             s.seen.clear()
+            s.last_offloaded = None
 
 
 def current_stats() -> CompressionStats | None:
