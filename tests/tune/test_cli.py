@@ -115,3 +115,11 @@ def test_summary_lists_what_compress_converts():
     assert result.exit_code == 0, result.output
     assert "Conv2d" in result.output and "never substituted" not in result.output
     assert "layers converted" in result.output
+
+
+def test_bench_plot_draws_a_png(tmp_path):
+    png = tmp_path / "speed.png"
+    result = run("bench", "--model", "tinycnn", "--resolution", "8", "--batch", "16",
+                 "--levels", "L0,L3", "--steps", "1", "--warmup", "0", "--plot", str(png))
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
