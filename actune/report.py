@@ -37,6 +37,7 @@ class LevelResult:
     activation_bytes: int | None = None
     uncompressed_activation_bytes: int | None = None
     host_bytes: int = 0
+    peak_parts: dict = field(default_factory=dict)  # parameters, gradients, optimizer, ...
     samples_per_s: float | None = None
     probes: list[dict] = field(default_factory=list)
     complete: bool = True

@@ -51,6 +51,15 @@ def _note(level: Level, settings: Settings) -> str:
     return ""
 
 
+def _fill(row: LevelResult, peak) -> None:
+    """Copy a peak's figures into a report row."""
+    row.peak_bytes, row.host_bytes = peak.total, peak.host
+    row.activation_bytes = peak.saved
+    row.uncompressed_activation_bytes = peak.saved_uncompressed
+    row.peak_parts = {k: getattr(peak, k) for k in ("parameters", "gradients", "optimizer",
+                                                     "activations", "temporaries", "other")}
+
+
 def _probes(probes: list[Probe]) -> list[dict]:
     return [{"size": p.size, "fits": p.fits, "peak": p.peak} for p in probes]
 
@@ -75,10 +84,7 @@ def maxbatch(workload: Workload, levels: list[Level], settings: Settings, *,
                           complete=result.complete, capped=result.capped,
                           note=_note(level, settings))
         if result.value:
-            peak = trial.peak(result.value)
-            row.peak_bytes, row.host_bytes = peak.total, peak.host
-            row.activation_bytes = peak.saved
-            row.uncompressed_activation_bytes = peak.saved_uncompressed
+            _fill(row, trial.peak(result.value))
         report.levels.append(row)
         report.relate_to_l0()
         if on_level:
@@ -121,10 +127,7 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
                           complete=result.complete, capped=result.capped,
                           note=_note(level, settings))
         if value:
-            peak = trials[result.value].peak(batch)
-            row.peak_bytes, row.host_bytes = peak.total, peak.host
-            row.activation_bytes = peak.saved
-            row.uncompressed_activation_bytes = peak.saved_uncompressed
+            _fill(row, trials[result.value].peak(batch))
         report.levels.append(row)
         report.relate_to_l0()
         if on_level:
@@ -182,10 +185,7 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
             used, probes = found.value, _probes(found.probes)
         row = LevelResult(level.name, used, probes=probes, note=_note(level, settings))
         if used:
-            peak = trial.peak(used)
-            row.peak_bytes, row.host_bytes = peak.total, peak.host
-            row.activation_bytes = peak.saved
-            row.uncompressed_activation_bytes = peak.saved_uncompressed
+            _fill(row, trial.peak(used))
             row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
                                            steps, warmup)
         report.levels.append(row)

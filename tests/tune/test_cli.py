@@ -32,6 +32,10 @@ def test_maxbatch_writes_versioned_json_and_compression_gains(tmp_path):
     assert l0["value"] % 4 == 0 and l3["value"] % 4 == 0
     assert l3["value"] > 1.5 * l0["value"]  # small images: the forward pass dominates
     assert l3["peak_bytes"] <= 256 * 2**20 and l3["compression"] > 10
+    parts = l3["peak_parts"]
+    assert set(parts) == {"parameters", "gradients", "optimizer", "activations", "temporaries",
+                          "other"}
+    assert sum(parts.values()) == l3["peak_bytes"]
     assert l3["probes"] and all({"size", "fits", "peak"} <= p.keys() for p in l3["probes"])
     assert "max batch" in result.output and "L3" in result.output
 
