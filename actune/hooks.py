@@ -108,8 +108,8 @@ class _Saved:
     backward needs) back to the device on a side stream, so transfers overlap compute.
     """
 
-    __slots__ = ("__weakref__", "device", "fetch", "gets", "held", "host", "packed", "prev",
-                 "ready", "unpacked", "uses")
+    __slots__ = ("__weakref__", "device", "fetch", "host", "packed", "prev", "ready",
+                 "unpacked")
 
     def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool,
                  prev: _Saved | None = None) -> None:
@@ -126,9 +126,6 @@ class _Saved:
             self.ready = torch.cuda.Event()
             self.ready.record()
         self.unpacked: weakref.ref | None = None
-        self.uses = 1  # how many saved slots hold this (a storage saved by several ops)
-        self.gets = 0
-        self.held: torch.Tensor | None = None
 
     def prefetch(self) -> None:
         """Start copying the host buffers back to the device on a side stream."""
@@ -162,7 +159,6 @@ class _Saved:
     def get(self) -> torch.Tensor:
         if torch.is_grad_enabled():
             raise DoubleBackwardError(_DOUBLE_BACKWARD)
-        self.gets += 1
         out = self.unpacked() if self.unpacked is not None else None
         if out is None:  # not alive in another node: dequantize
             if self.host and self.ready is None:  # simulated offload (estimates)
@@ -173,9 +169,6 @@ class _Saved:
                 return packed
             out = unpack_mask(packed) if isinstance(packed, PackedMask) else dequantize(packed)
             self.unpacked = weakref.ref(out)
-        # keep it for the other slots that will ask (a ReLU output: the next layer's backward,
-        # then the ReLU's, right after it); released when the last one has it
-        self.held = out if self.gets < self.uses else None
         return out
 
 
@@ -325,7 +318,6 @@ class _Session:
     def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> _Saved:
         found = self._cached((*_storage_key(t), bits))
         if found is not None:
-            found.uses += 1
             return found
         saved = self._new(make())
         self._remember(t, bits, saved)
