@@ -128,14 +128,19 @@ def _finish(report, quiet: bool, json_path: Path | None) -> None:
             console.print(f"JSON written to {json_path}")
 
 
-@contextlib.contextmanager
-def _partial_on_interrupt(latest: _Latest, quiet: bool, json_path: Path | None):
-    """Ctrl-C: print what was found so far, then exit 130 (through _errors)."""
+def _run_job(job, level_list, quiet: bool, json_path: Path | None, **kwargs):
+    """Run a tuning job with progress, JSON after each level, and the results so far
+    printed on Ctrl-C (which then exits 130 through _errors); print and return its report."""
+    latest = _Latest()
     try:
-        yield
+        with _progress(quiet) as progress:
+            on_probe, on_level = _callbacks(progress, level_list, json_path, latest)
+            report = job(levels=level_list, on_probe=on_probe, on_level=on_level, **kwargs)
     except KeyboardInterrupt:
         _finish(latest.report, quiet, json_path)
         raise
+    _finish(report, quiet, json_path)
+    return report
 
 
 @app.command()
@@ -160,13 +165,9 @@ def maxbatch(
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
         sizes = {"resolution": resolution} if resolution else {}
         t0 = time.perf_counter()
-        latest = _Latest()
-        with _partial_on_interrupt(latest, quiet, json_path), _progress(quiet) as progress:
-            on_probe, on_level = _callbacks(progress, level_list, json_path, latest)
-            report = run.maxbatch(workload, level_list, settings, sizes=sizes,
-                                  multiple_of=multiple_of, maximum=max_batch,
-                                  on_probe=on_probe, on_level=on_level)
-        _finish(report, quiet, json_path)
+        report = _run_job(run.maxbatch, level_list, quiet, json_path, workload=workload,
+                          settings=settings, sizes=sizes,
+                          multiple_of=multiple_of, maximum=max_batch)
         if not quiet:
             console.print(f"{sum(len(r.probes) for r in report.levels)} probes in "
                           f"{time.perf_counter() - t0:.1f} s")
@@ -197,13 +198,9 @@ def scale(
     with _errors(debug):
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
         workload.require(dim)
-        latest = _Latest()
-        with _partial_on_interrupt(latest, quiet, json_path), _progress(quiet) as progress:
-            on_probe, on_level = _callbacks(progress, level_list, json_path, latest)
-            report = run.scale(workload, level_list, settings, dim, batch,
-                               multiple_of=multiple_of, maximum=max_scale,
-                               on_probe=on_probe, on_level=on_level)
-        _finish(report, quiet, json_path)
+        _run_job(run.scale, level_list, quiet, json_path, workload=workload,
+                 settings=settings, dim=dim, batch=batch,
+                 multiple_of=multiple_of, maximum=max_scale)
 
 
 @app.command()
@@ -235,13 +232,9 @@ def bench(
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
         sizes = {"resolution": resolution} if resolution and "resolution" in workload.dims \
             else {}
-        latest = _Latest()
-        with _partial_on_interrupt(latest, quiet, json_path), _progress(quiet) as progress:
-            on_probe, on_level = _callbacks(progress, level_list, json_path, latest)
-            report = run.bench(workload, level_list, settings, batch=batch, at_max=at_max,
-                               sizes=sizes, steps=steps, warmup=warmup, on_probe=on_probe,
-                               on_level=on_level)
-        _finish(report, quiet, json_path)
+        report = _run_job(run.bench, level_list, quiet, json_path, workload=workload,
+                          settings=settings, batch=batch, at_max=at_max,
+                          sizes=sizes, steps=steps, warmup=warmup)
         if plot is not None:
             from actune.plot import throughput_curves
 

@@ -60,6 +60,10 @@ def _fill(row: LevelResult, peak) -> None:
                                                      "activations", "temporaries", "other")}
 
 
+def _reporter(on_probe: Callable | None, level: Level) -> Callable[[Probe], None] | None:
+    return (lambda p: on_probe(level, p)) if on_probe else None
+
+
 def _probes(probes: list[Probe]) -> list[dict]:
     return [{"size": p.size, "fits": p.fits, "peak": p.peak} for p in probes]
 
@@ -79,7 +83,7 @@ def maxbatch(workload: Workload, levels: list[Level], settings: Settings, *,
             lambda n, t=trial: t.probe(n, settings.budget.bytes), start=start,
             step=multiple_of, maximum=maximum,
             budget=settings.budget.bytes if settings.mode == "estimate" else None,
-            on_probe=(lambda p, lv=level: on_probe(lv, p)) if on_probe else None)
+            on_probe=_reporter(on_probe, level))
         row = LevelResult(level.name, result.value, probes=_probes(result.probes),
                           complete=result.complete, capped=result.capped,
                           note=_note(level, settings))
@@ -119,8 +123,7 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
         result = largest_fitting(probe, start=start, step=step, maximum=cap,
                                  budget=settings.budget.bytes
                                  if settings.mode == "estimate" else None,
-                                 on_probe=(lambda p, lv=level: on_probe(lv, p)) if on_probe
-                                 else None)
+                                 on_probe=_reporter(on_probe, level))
         value = result.value * unit if result.value else None
         row = LevelResult(level.name, value,
                           probes=[{**p, "size": p["size"] * unit} for p in _probes(result.probes)],
@@ -180,8 +183,7 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
                                     start=8, step=multiple_of,
                                     budget=settings.budget.bytes
                                     if settings.mode == "estimate" else None,
-                                    on_probe=(lambda p, lv=level: on_probe(lv, p))
-                                    if on_probe else None)
+                                    on_probe=_reporter(on_probe, level))
             used, probes = found.value, _probes(found.probes)
         row = LevelResult(level.name, used, probes=probes, note=_note(level, settings))
         if used:
