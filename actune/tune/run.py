@@ -43,11 +43,11 @@ class Settings:
         return 512 if self.mode == "estimate" else None
 
 
-def _note(level: Level, settings: Settings) -> str:
+def _note(level: Level, settings: Settings, real_steps: bool = False) -> str:
     if level.offload and torch.device(settings.device).type != "cuda":
-        if settings.mode == "estimate":
+        if settings.mode == "estimate" and not real_steps:
             return "offload simulated"
-        return "CPU: no offload, = L3"
+        return "CPU: no offload, = L3" if real_steps else "CPU: no offload"
     return ""
 
 
@@ -174,6 +174,8 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
     sizes = sizes or {}
     report = Report("bench", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch", dict(sizes))
+    if batch and levels:  # one untimed step first: thread pools, allocator and kernels warm up
+        throughput(workload, levels[-1], batch, sizes, settings.device, steps=1, warmup=1)
     for level in levels:
         trial = Trial(workload, level, sizes, settings.mode, settings.device, settings.round_to)
         used = batch
@@ -185,7 +187,8 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
                                     if settings.mode == "estimate" else None,
                                     on_probe=_reporter(on_probe, level))
             used, probes = found.value, _probes(found.probes)
-        row = LevelResult(level.name, used, probes=probes, note=_note(level, settings))
+        row = LevelResult(level.name, used, probes=probes,
+                          note=_note(level, settings, real_steps=True))
         if used:
             _fill(row, trial.peak(used))
             row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
