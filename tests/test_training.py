@@ -432,3 +432,27 @@ def test_distributed_data_parallel_ranks_stay_in_sync():
         a, b = torch.load(out)
     assert torch.equal(a, b)
     assert not torch.equal(a, torch.cat([p.reshape(-1) for p in zoo.TinyCNN().parameters()]))
+
+
+def test_what_goes_wrong_without_the_safe_behaviour():
+    """Documented failure modes, measured: why ReLU outputs use zero-code packing and softmax
+    keeps two copies (docs/training.md)."""
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randn(64, 1024, generator=gen).relu()
+    plain = actune.dequantize(actune.quantize(y, 2, seed=1))
+    wrong = ((plain > 0) != (y > 0)).float().mean().item()
+    assert wrong > 0.1  # a plain 2-bit copy loses >10% of the ReLU mask
+    safe = actune.dequantize(actune.quantize(y, 2, seed=1, zero_code=True))
+    assert torch.equal(safe > 0, y > 0)
+
+    p = torch.softmax(torch.randn(16, 64, generator=gen) * 2, -1)
+    g = torch.randn(16, 64, generator=gen)
+    exact = p * (g - (g * p).sum(-1, keepdim=True))
+    one, two = [], []
+    for s in range(512):
+        y1 = actune.dequantize(actune.quantize(p, 2, seed=2 * s + 1))
+        y2 = actune.dequantize(actune.quantize(p, 2, seed=2 * s + 2))
+        one.append(y1 * (g - (g * y1).sum(-1, keepdim=True)))
+        two.append(y1 * (g - (g * y2).sum(-1, keepdim=True)))
+    assert shrinks_like_noise(torch.stack(one), exact, small=8, large=512) > 0.2  # biased
+    assert shrinks_like_noise(torch.stack(two), exact, small=8, large=512) < 0.2  # unbiased
