@@ -38,6 +38,11 @@ class Settings:
     device_name: str = "CPU"
 
     @property
+    def search_budget(self) -> int | None:
+        """The budget the search may predict against (estimates have exact peaks)."""
+        return self.budget.bytes if self.mode == "estimate" else None
+
+    @property
     def round_to(self) -> int | None:
         # estimates of a GPU budget round storages like the CUDA caching allocator
         return 512 if self.mode == "estimate" else None
@@ -49,6 +54,16 @@ def _note(level: Level, settings: Settings, real_steps: bool = False) -> str:
             return "offload simulated"
         return "CPU: no offload, = L3" if real_steps else "CPU: no offload"
     return ""
+
+
+def _add(report: Report, row: LevelResult, on_level: Callable | None) -> None:
+    """Append a finished (or interrupted) level; an interrupted one ends the job."""
+    report.levels.append(row)
+    report.relate_to_l0()
+    if on_level:
+        on_level(report)
+    if not row.complete:
+        raise KeyboardInterrupt
 
 
 def _fill(row: LevelResult, peak) -> None:
@@ -82,19 +97,14 @@ def maxbatch(workload: Workload, levels: list[Level], settings: Settings, *,
         result = largest_fitting(
             lambda n, t=trial: t.probe(n, settings.budget.bytes), start=start,
             step=multiple_of, maximum=maximum,
-            budget=settings.budget.bytes if settings.mode == "estimate" else None,
+            budget=settings.search_budget,
             on_probe=_reporter(on_probe, level))
         row = LevelResult(level.name, result.value, probes=_probes(result.probes),
                           complete=result.complete, capped=result.capped,
                           note=_note(level, settings))
         if result.value:
             _fill(row, trial.peak(result.value))
-        report.levels.append(row)
-        report.relate_to_l0()
-        if on_level:
-            on_level(report)
-        if not result.complete:
-            raise KeyboardInterrupt
+        _add(report, row, on_level)
     return report
 
 
@@ -121,8 +131,7 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
             return Probe(n, p.fits, p.peak)  # the size searched is the dimension, not the batch
 
         result = largest_fitting(probe, start=start, step=step, maximum=cap,
-                                 budget=settings.budget.bytes
-                                 if settings.mode == "estimate" else None,
+                                 budget=settings.search_budget,
                                  on_probe=_reporter(on_probe, level))
         value = result.value * unit if result.value else None
         row = LevelResult(level.name, value,
@@ -131,12 +140,7 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
                           note=_note(level, settings))
         if value:
             _fill(row, trials[result.value].peak(batch))
-        report.levels.append(row)
-        report.relate_to_l0()
-        if on_level:
-            on_level(report)
-        if not result.complete:
-            raise KeyboardInterrupt
+        _add(report, row, on_level)
     return report
 
 
@@ -183,8 +187,7 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
         if at_max:
             found = largest_fitting(lambda n, t=trial: t.probe(n, settings.budget.bytes),
                                     start=8, step=multiple_of,
-                                    budget=settings.budget.bytes
-                                    if settings.mode == "estimate" else None,
+                                    budget=settings.search_budget,
                                     on_probe=_reporter(on_probe, level))
             used, probes = found.value, _probes(found.probes)
         row = LevelResult(level.name, used, probes=probes,
@@ -193,8 +196,5 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
             _fill(row, trial.peak(used))
             row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
                                            steps, warmup)
-        report.levels.append(row)
-        report.relate_to_l0()
-        if on_level:
-            on_level(report)
+        _add(report, row, on_level)
     return report
