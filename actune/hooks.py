@@ -53,7 +53,7 @@ from actune.quant import (
     unpack_mask,
 )
 
-__all__ = ["CompressionStats", "DoubleBackwardError", "compressed", "current_stats"]
+__all__ = ["CompressionStats", "DoubleBackwardError", "compressed"]
 
 
 class DoubleBackwardError(RuntimeError):
@@ -294,7 +294,10 @@ class _Session:
             self.last_offloaded = saved
         return saved
 
-    def _hold(self, saved: _Saved, kind: str) -> _Saved:
+    def _hold(self, saved: _Saved, kind: str, replaces: tuple = ()) -> _Saved:
+        """Account ``saved`` as kept (and the tensors it ``replaces`` as what PyTorch kept)."""
+        for r in replaces:
+            self.count(r)
         self.stats.packed += 1
         self.stats.kept_bytes += saved.nbytes
         self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + saved.nbytes
@@ -331,24 +334,18 @@ class _Session:
         """Pack ``t`` in place of the tensors ``replaces`` that PyTorch's op would save; with
         ``share_as``, later savers of that tensor reuse this packed copy (``dirty``: the
         function marks it dirty, which bumps its version once more after forward)."""
-        for r in replaces:
-            self.count(r)
         packed = quantize(t, bits, group_size=self.level.group_size, zero_code=zero_code)
-        saved = self._hold(self._new(packed), kind)
+        saved = self._hold(self._new(packed), kind, replaces)
         if share_as is not None:
             self._remember(share_as, bits, saved, bumps=int(dirty))
         return saved
 
     def pack_small_ints(self, values: torch.Tensor, kind: str, replaces: tuple = ()) -> _Saved:
         """Integers in [0, 256) kept exactly in one byte each."""
-        for r in replaces:
-            self.count(r)
-        return self._hold(self._new(values.to(torch.uint8)), kind)
+        return self._hold(self._new(values.to(torch.uint8)), kind, replaces)
 
     def pack_bool(self, mask: torch.Tensor, kind: str, replaces: tuple = ()) -> _Saved:
-        for r in replaces:
-            self.count(r)
-        return self._hold(self._new(pack_mask(mask)), kind)
+        return self._hold(self._new(pack_mask(mask)), kind, replaces)
 
     # -- entering and leaving ------------------------------------------------------------
 
@@ -402,12 +399,6 @@ def shared_cache() -> Iterator[None]:
             s.cache.clear()
             s.seen.clear()
             s.last_offloaded = None
-
-
-def current_stats() -> CompressionStats | None:
-    """Statistics of the innermost active context on this thread (None outside one)."""
-    s = _session()
-    return s.stats if s.levels else None
 
 
 @contextlib.contextmanager

@@ -16,8 +16,8 @@ from . import layout
 from .scalar import INV_2_24, MASK32, build
 
 _s = build(numba.njit(inline="always"))
-_mix32 = _s.mix32
 _stream_key = _s.stream_key
+_random24 = _s.random24
 _group_meta = _s.group_meta
 _meta_values = _s.meta_values
 
@@ -83,7 +83,7 @@ def _bytes_stochastic(xs, out, lo, inv, base, top, zero_code, key, low0, per,
             i = k * per + j
             v = (xs[i] - lo) * inv
             fl = np.floor(v)
-            r = xs.dtype.type(_mix32((low0 + i) ^ key) >> 8) * u_step
+            r = xs.dtype.type(_random24(key, low0 + i)) * u_step
             byte |= _code(xs[i], fl, r < v - fl, base, top, zero_code) << (bits * j)
         out[k] = byte
 
@@ -114,7 +114,7 @@ def _bytes_any(xs, out, lo, inv, base, top, zero_code, seed, idx0, stochastic, p
         fl = np.floor(v)
         if stochastic:
             idx = idx0 + i
-            r = _mix32((idx & MASK32) ^ _stream_key(seed, idx >> 32)) >> 8
+            r = _random24(_stream_key(seed, idx >> 32), idx)
             up = xs.dtype.type(r) * u_step < v - fl
         else:
             up = v - fl >= xs.dtype.type(0.5)

@@ -18,7 +18,7 @@ from unittest import mock
 from numba import config, cuda, float64
 
 from . import layout
-from .scalar import INV_2_24, MASK32, build
+from .scalar import INV_2_24, build
 
 _s = build(cuda.jit(device=True))
 
@@ -34,8 +34,8 @@ else:  # products that the compiler may not fuse into a following add (no FMA co
 
     _MUL32 = libdevice.fmul_rn
     _MUL64 = libdevice.dmul_rn
-_mix32 = _s.mix32
 _stream_key = _s.stream_key
+_random24 = _s.random24
 _group_meta = _s.group_meta
 _meta_values = _s.meta_values
 
@@ -115,7 +115,7 @@ def _make_kernels(mul):
                     if stochastic:
                         idx = base + i
                         key = key0 if (idx >> 32) == hi0 else key1
-                        up = t(_mix32((idx & MASK32) ^ key) >> 8) * u_step < frac
+                        up = t(_random24(key, idx)) * u_step < frac
                     else:
                         up = frac >= half
                     first = 1 if zero_code else 0  # zero-code mode: code 0 is an exact zero

@@ -2,6 +2,6 @@
 
 from actune.memory.budget import Budget, parse_budget
 from actune.memory.nvml import DeviceInfo, probe
-from actune.memory.peak import Peak, StepMeter, measure_step
+from actune.memory.peak import Peak, StepMeter
 
-__all__ = ["Budget", "DeviceInfo", "Peak", "StepMeter", "measure_step", "parse_budget", "probe"]
+__all__ = ["Budget", "DeviceInfo", "Peak", "StepMeter", "parse_budget", "probe"]

@@ -124,12 +124,6 @@ class StepMeter:
             self.step(self.model, self.opt, self.warmup_batch, lambda _s: None)
 
 
-def measure_step(build: BuildModel, step: Step, batch: int, mode: str = "estimate",
-                 device: str = "cpu", round_to: int | None = None) -> Peak:
-    """Peak of one steady-state training step at ``batch`` (see :class:`StepMeter`)."""
-    return StepMeter(build, step, mode, device, round_to).peak(batch)
-
-
 def _measure_cuda(meter: StepMeter, batch: int) -> Peak:  # pragma: no cover - needs a GPU
     device = meter.device
     torch.cuda.synchronize(device)
