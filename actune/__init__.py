@@ -1,6 +1,7 @@
 """actune: activation-compressed training for PyTorch, and an auto-tuner around it."""
 
-from actune.convert import compress, decompress, is_compressed, summary
+from actune.autoprec import AutoPrecision, allocate
+from actune.convert import autoprec_of, compress, decompress, is_compressed, summary
 from actune.hooks import CompressionStats, DoubleBackwardError, compressed
 from actune.levels import LEVELS, Level, get_level, parse_levels
 from actune.quant import PackedMask, PackedTensor, dequantize, pack_mask, quantize, unpack_mask
@@ -9,12 +10,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LEVELS",
+    "AutoPrecision",
     "CompressionStats",
     "DoubleBackwardError",
     "Level",
     "PackedMask",
     "PackedTensor",
     "__version__",
+    "allocate",
+    "autoprec_of",
     "compress",
     "compressed",
     "decompress",

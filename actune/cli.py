@@ -251,6 +251,195 @@ def _require_matplotlib() -> None:
 
 
 @app.command()
+def train(
+    model_file: ModelFile = None,
+    model: ModelName = "tinycnn",
+    levels: Annotated[str, typer.Option(help="Levels: L0,L3 or L0-L3; a number of bits such "
+                                        "as 2b or 1.25b is mixed precision.")] = "L0,L3",
+    epochs: Annotated[int, typer.Option(min=1, help="Epochs per level.")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of the weights, the batches and the "
+                                      "rounding (the same for every level).")] = 0,
+    batch: Annotated[int, typer.Option(min=1, help="Batch size.")] = 64,
+    resolution: Resolution = None,
+    every: Annotated[int, typer.Option(min=0, help="Steps between bit re-allocations "
+                                       "(mixed-precision levels).")] = 50,
+    json_path: JsonOpt = None,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Train on real data at each level, side by side: loss, accuracy and time per epoch
+    (default: a small CNN on scikit-learn's digits, which ship offline)."""
+    from actune.levels import parse_levels
+    from actune.report import write_json
+    from actune.train import train as run_train
+    from actune.tune import workload as wl
+
+    with _errors(debug):
+        work = wl.load(model_file) if model_file is not None else wl.builtin(model)
+        level_list = parse_levels(levels)
+        try:
+            data = work.dataset(resolution)
+        except ImportError as err:
+            raise _UsageError(str(err)) from None
+        sizes = {"resolution": resolution} if resolution and "resolution" in work.dims else {}
+        steps = -(-len(data.x_train) // batch) * epochs * len(level_list)
+        results: dict[str, list] = {lv.name: [] for lv in level_list}
+        allocators = {}
+        progress = _progress_steps(quiet)
+        with progress as bar:
+            task = bar.add_task("training", total=steps) if bar else None
+            for lv in level_list:
+                if bar:
+                    bar.update(task, description=f"{lv.name}")
+                for r in run_train(lambda: work.model(**sizes), data, lv, epochs=epochs,
+                                   seed=seed, batch_size=batch, loss_fn=work.loss,
+                                   make_optimizer=work.optimizer, every=every,
+                                   on_step=(lambda: bar.advance(task)) if bar else None,
+                                   keep=lambda _m, ap, name=lv.name: allocators.__setitem__(
+                                       name, ap)):
+                    results[lv.name].append(r)
+                    if json_path is not None:
+                        write_json(_train_json(work.name, seed, results, allocators),
+                                   json_path)
+        if json_path is not None:
+            write_json(_train_json(work.name, seed, results, allocators), json_path)
+        if quiet:
+            return
+        _render_training(work.name, len(data.x_train), len(data.x_test), seed, results)
+        for name, ap in allocators.items():
+            if ap is not None and ap.rows():
+                _render_allocation(name, ap)
+        if json_path:
+            console.print(f"JSON written to {json_path}")
+
+
+def _progress_steps(quiet: bool):
+    if quiet:
+        return contextlib.nullcontext(None)
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+def _train_json(model: str, seed: int, results: dict, allocators: dict) -> dict:
+    return {"schema": "actune.train/1", "model": model, "seed": seed,
+            "levels": {name: {"epochs": [r.as_dict() for r in rows],
+                              "allocation": allocators[name].state_dict()
+                              if allocators.get(name) is not None else None}
+                       for name, rows in results.items()}}
+
+
+def _render_training(model: str, train_n: int, test_n: int, seed: int, results: dict) -> None:
+    table = Table(title=f"actune train: {model}, {train_n} training / {test_n} test samples, "
+                  f"seed {seed}", title_justify="left",
+                  caption="each cell: mean training loss, training / test accuracy, seconds",
+                  caption_justify="left")
+    table.add_column("epoch", justify="right")
+    for name in results:
+        table.add_column(name, justify="right")
+    epochs = max((len(rows) for rows in results.values()), default=0)
+    for e in range(epochs):
+        cells = [str(e + 1)]
+        for rows in results.values():
+            r = rows[e] if e < len(rows) else None
+            cells.append("-" if r is None else
+                         f"{r.loss:.4f}\n{100 * r.train_accuracy:.1f} / "
+                         f"{100 * r.test_accuracy:.1f}%\n{r.seconds:.1f} s")
+        table.add_row(*cells, end_section=True)
+    console.print(table)
+    base = results.get("L0")
+    if base:
+        for name, rows in results.items():
+            if name != "L0" and rows:
+                diff = 100 * (rows[-1].test_accuracy - base[-1].test_accuracy)
+                console.print(f"{name}: final test accuracy {diff:+.1f} points vs L0")
+
+
+def _render_allocation(name: str, ap) -> None:
+    table = Table(title=f"{name}: bits per compressed tensor (average {ap.mean_bits:.3f}, "
+                  f"{ap.reallocations} allocations; modelled variance {ap.variance:.3g}, "
+                  f"{ap.uniform_variance():.3g} at uniform bits)", title_justify="left")
+    for col in ("slot", "shape", "bits", "bits by sample rank", "cost C", "variance"):
+        table.add_column(col, justify="right" if col != "shape" else "left")
+    for r in ap.rows():
+        runs = " ".join(f"{k}x{b}" for b, k in r["bits_by_rank"]) if r["bits"] else "mask"
+        table.add_row(str(r["slot"]), r["shape"], f"{r['bits']:.2f}", runs,
+                      f"{r['cost']:.3g}", f"{r['variance']:.3g}")
+    console.print(table)
+
+
+@app.command()
+def numerics(
+    model_file: ModelFile = None,
+    model: ModelName = "tinycnn",
+    levels: Annotated[str, typer.Option(help="Levels to measure (L0 is the reference and "
+                                        "always exact).")] = "L1,L3,2b,1.25b",
+    batch: Annotated[int, typer.Option(min=2, help="Batch size.")] = 64,
+    repeats: Annotated[int, typer.Option(min=2, help="Rounding seeds per level.")] = 16,
+    draws: Annotated[int, typer.Option(min=2, help="Minibatches for SGD's variance.")] = 16,
+    resolution: Resolution = None,
+    seed: Annotated[int, typer.Option(help="Seed of the weights and the batches.")] = 0,
+    layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Show each layer.")]
+    = True,
+    json_path: JsonOpt = None,
+    debug: Debug = False,
+) -> None:
+    """Gradient bias and the variance quantization adds, next to SGD's own minibatch
+    variance, per layer and in total (ActNN's variance analysis, on real data)."""
+    import torch
+
+    from actune.levels import parse_levels
+    from actune.numerics import measure
+    from actune.report import write_json
+    from actune.tune import workload as wl
+
+    with _errors(debug):
+        work = wl.load(model_file) if model_file is not None else wl.builtin(model)
+        level_list = [lv for lv in parse_levels(levels) if not lv.exact]
+        if not level_list:
+            raise _UsageError("--levels: give at least one compressing level (L0 is the "
+                              "exact reference every level is measured against)")
+        try:
+            data = work.dataset(resolution)
+        except ImportError as err:
+            raise _UsageError(str(err)) from None
+        sizes = {"resolution": resolution} if resolution and "resolution" in work.dims else {}
+        torch.manual_seed(seed)
+        net = work.model(**sizes)
+        with console.status("measuring") as status:
+            results = measure(net, data, level_list, batch=batch, repeats=repeats,
+                              draws=draws, seed=seed, loss_fn=work.loss,
+                              on_progress=lambda name: status.update(f"measuring {name}"))
+        title = (f"actune numerics: {work.name}, batch {batch}, {repeats} rounding seeds, "
+                 f"SGD variance over {draws} minibatches")
+        table = Table(title=title, title_justify="left")
+        for col in ("level", "layer", "params", "bias", "bias floor", "quant. variance",
+                    "SGD variance", "quant / SGD"):
+            table.add_column(col, justify="left" if col in ("level", "layer") else "right")
+        for r in results:
+            rows = r.layers if layers else []
+            for lay in rows:
+                table.add_row(r.level, lay.name, f"{lay.numel:,}", f"{lay.bias:.4f}",
+                              f"{lay.bias_floor:.4f}", f"{lay.quant_variance:.4g}",
+                              f"{lay.sgd_variance:.4g}",
+                              f"{lay.quant_variance / lay.sgd_variance:.3f}"
+                              if lay.sgd_variance else "-")
+            bits = f" ({r.mean_bits:.2f} bits)" if r.mean_bits else ""
+            table.add_row(f"[bold]{r.level}[/]", f"[bold]total{bits}[/]",
+                          f"{sum(lay.numel for lay in r.layers):,}", f"{r.bias:.4f}",
+                          f"{r.bias_floor:.4f}", f"{r.quant_variance:.4g}",
+                          f"{r.sgd_variance:.4g}", f"{r.ratio:.3f}",
+                          end_section=True)
+        console.print(table)
+        console.print("bias floor: the bias that the finite number of seeds alone explains "
+                      "(an unbiased level stays near it)")
+        if json_path is not None:
+            write_json({"schema": "actune.numerics/1", "model": work.name, "seed": seed,
+                        "levels": [r.as_dict() for r in results]}, json_path)
+            console.print(f"JSON written to {json_path}")
+
+
+@app.command()
 def summary(
     model_file: ModelFile = None,
     model: ModelName = "resnet50",

@@ -16,12 +16,15 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from actune.autoprec import AutoPrecision
 from actune.hooks import compressed, shared_cache
 from actune.levels import Level, get_level
 
-__all__ = ["ConversionRow", "compress", "decompress", "is_compressed", "summary"]
+__all__ = ["ConversionRow", "autoprec_of", "compress", "decompress", "is_compressed",
+           "summary"]
 
 _LEVEL_ATTR = "_actune_level"
+_AUTOPREC_ATTR = "_actune_autoprec"
 
 # Layer classes with a compressed counterpart, and what the counterpart keeps for backward.
 _SUPPORTED: dict[type[nn.Module], str] = {
@@ -100,7 +103,8 @@ def _supported(cls: type[nn.Module]) -> str | None:
 
 
 def _enter_forward(module, _args):
-    cache = shared_cache()
+    ap = module.__dict__.get(_AUTOPREC_ATTR) if module.training else None
+    cache = shared_cache(ap)
     cache.__enter__()
     module._actune_cache = cache
 
@@ -116,17 +120,26 @@ def is_compressed(module: nn.Module) -> bool:
     return any(hasattr(m, _LEVEL_ATTR) for m in module.modules())
 
 
-def compress(model: nn.Module, level: str | Level = "L3") -> nn.Module:
+def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50) -> nn.Module:
     """Convert ``model``'s supported layers in place to compressed counterparts; returns it.
 
     Works before or after ``.to(device)``; converting again just sets the new level;
     :func:`decompress` restores plain layers. Functional calls written in a model's own
     ``forward`` (outside the layers) are not covered here: wrap the step in
-    :func:`actune.compressed` for those.
+    :func:`actune.compressed` for those. A mixed-precision level (``"2b"``, ``"1.25b"``)
+    attaches an :class:`~actune.autoprec.AutoPrecision` (see :func:`autoprec_of`); each
+    forward pass in training mode is one step of it.
     """
     lv = get_level(level)
     if lv.exact:
         return decompress(model)
+    ap = model.__dict__.get(_AUTOPREC_ATTR)
+    if lv.avg_bits is None:
+        model.__dict__.pop(_AUTOPREC_ATTR, None)
+    elif ap is None or ap.avg_bits != lv.avg_bits:
+        model.__dict__[_AUTOPREC_ATTR] = AutoPrecision(lv.avg_bits, every=every)
+    elif every != ap.every:
+        ap.every = every
     for module in model.modules():
         base = _base_class(module)
         if _supported(base) is None:
@@ -151,7 +164,13 @@ def decompress(model: nn.Module) -> nn.Module:
         _restore(module)
     for handle in model.__dict__.pop("_actune_handles", ()):
         handle.remove()
+    model.__dict__.pop(_AUTOPREC_ATTR, None)
     return model
+
+
+def autoprec_of(model: nn.Module) -> AutoPrecision | None:
+    """The bit allocator :func:`compress` attached to ``model`` (mixed-precision levels)."""
+    return model.__dict__.get(_AUTOPREC_ATTR)
 
 
 def summary(model: nn.Module) -> list[ConversionRow]:

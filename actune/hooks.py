@@ -43,13 +43,17 @@ import torch.nn.functional as F  # noqa: N812
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
+from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level, get_level
 from actune.quant import (
     PackedMask,
+    PackedSamples,
     PackedTensor,
     dequantize,
+    dequantize_samples,
     pack_mask,
     quantize,
+    quantize_samples,
     unpack_mask,
 )
 
@@ -69,6 +73,7 @@ _DOUBLE_BACKWARD = (
 # Which ops' saved tensors are quantized, and with which of the level's bit widths.
 _MATMUL = "matmul"
 _OTHER = "other"
+_ALLOCATED = "allocated"  # cache-key marker: bits chosen by the allocator
 
 
 @dataclass
@@ -108,7 +113,7 @@ class _Saved:
     backward needs) back to the device on a side stream, so transfers overlap compute.
     """
 
-    __slots__ = ("__weakref__", "device", "fetch", "host", "packed", "prev", "ready",
+    __slots__ = ("__weakref__", "device", "fetch", "host", "packed", "prev", "ready", "slot",
                  "unpacked")
 
     def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool,
@@ -126,6 +131,7 @@ class _Saved:
             self.ready = torch.cuda.Event()
             self.ready.record()
         self.unpacked: weakref.ref | None = None
+        self.slot: int | None = None  # the allocator's slot, when bits were allocated
 
     def prefetch(self) -> None:
         """Start copying the host buffers back to the device on a side stream."""
@@ -167,7 +173,12 @@ class _Saved:
                 packed = self._from_host() if self.host else self.packed
             if isinstance(packed, torch.Tensor):
                 return packed
-            out = unpack_mask(packed) if isinstance(packed, PackedMask) else dequantize(packed)
+            if isinstance(packed, PackedMask):
+                out = unpack_mask(packed)
+            elif isinstance(packed, PackedSamples):
+                out = dequantize_samples(packed)
+            else:
+                out = dequantize(packed)
             self.unpacked = weakref.ref(out)
         return out
 
@@ -188,6 +199,8 @@ def _tensors(p) -> tuple[torch.Tensor, ...]:
         return (p,)
     if isinstance(p, PackedMask):
         return (p.bits8,)
+    if isinstance(p, PackedSamples):
+        return tuple(t for idx, part in p.parts for t in (idx, *_tensors(part)))
     return (p.codes, p.meta)
 
 
@@ -202,11 +215,16 @@ def _to_device(p, device: torch.device, pin: bool = False):
         return move(p)
     if isinstance(p, PackedMask):
         return PackedMask(move(p.bits8), p.shape)
+    if isinstance(p, PackedSamples):
+        return dataclasses.replace(p, parts=tuple((move(idx), _to_device(part, device, pin))
+                                                  for idx, part in p.parts))
     return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta))
 
 
 def _is_parameter_like(t: torch.Tensor) -> bool:
     if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        return True
+    if isinstance(t._base, torch.nn.Parameter):  # linear layers save the transposed weight
         return True
     fn = t.grad_fn  # an autocast copy of a parameter: ToCopyBackward0 -> AccumulateGrad
     if fn is not None and fn.name() == "ToCopyBackward0":
@@ -232,11 +250,19 @@ class _Session:
         self.seen: dict[tuple, StorageWeakRef] = {}
         self.last_offloaded: _Saved | None = None
         self.stats = CompressionStats()
+        self.autoprec: AutoPrecision | None = None
+        self.touched: list[int] | None = None  # allocator slots read by the op being run
+        self.last_matmul = None  # statistics steps: the last matmul call (output, func, args)
         self._exit: contextlib.ExitStack | None = None
 
     @property
     def level(self) -> Level:
         return self.levels[-1]
+
+    def allocator(self) -> AutoPrecision | None:
+        """The allocator choosing bits now (a level with ``avg_bits`` and one attached)."""
+        ap = self.autoprec
+        return ap if ap is not None and self.levels and self.level.avg_bits is not None else None
 
     def bits_for(self, kind: str | None) -> int | None:
         if kind == _MATMUL:
@@ -259,6 +285,8 @@ class _Session:
         bits = self.bits_for(self.kind)
         if bits is None or not t.is_floating_point() or t.numel() < level.min_numel:
             return self._keep(t, new)
+        if self.allocator() is not None:
+            return self._pack_allocated(t, self.kind)
         return self._pack(t, bits, self.kind,
                           lambda: quantize(t, bits, group_size=level.group_size))
 
@@ -318,6 +346,39 @@ class _Session:
         key = (*key[:-1], key[-1] + bumps, bits)
         self.cache[key] = (StorageWeakRef(t.untyped_storage()), saved)
 
+    def _pack_allocated(self, t: torch.Tensor, kind: str) -> _Saved:
+        """Pack with the bits the allocator gives this slot (found in the cache if the storage
+        was packed already: this op reads that slot too)."""
+        found = self._cached((*_storage_key(t), _ALLOCATED))
+        if found is not None and isinstance(found.packed, PackedMask):
+            found = None  # kept as a mask only (no reader at the last statistics step)
+        if found is None:
+            found = self._hold(self._new(self._quantize_planned(t, False)), kind)
+            found.slot = self._last_slot
+            self._remember(t, _ALLOCATED, found)
+        self._touch(found.slot)
+        return found
+
+    def _quantize_planned(self, t: torch.Tensor, zero_code: bool):
+        ap = self.autoprec
+        plan: Plan = ap.plan(t, zero_code)
+        self._last_slot = plan.slot
+        group = self.level.group_size
+        if plan.bits == 0:
+            return pack_mask(t > 0)
+        if plan.by_rank:
+            packed = quantize_samples(t, plan.by_rank, group_size=group, zero_code=zero_code)
+        else:
+            packed = quantize(t, plan.bits, group_size=group, zero_code=zero_code)
+        ap.observe(plan, packed)
+        return packed
+
+    def _touch(self, slot: int | None) -> None:
+        if self.touched is not None and slot is not None:
+            self.touched.append(slot)
+
+    _last_slot: int | None = None
+
     def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> _Saved:
         found = self._cached((*_storage_key(t), bits))
         if found is not None:
@@ -330,10 +391,19 @@ class _Session:
 
     def pack_value(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = (),
                    share_as: torch.Tensor | None = None, zero_code: bool = False,
-                   dirty: bool = False) -> _Saved:
+                   dirty: bool = False, reads: bool = True) -> _Saved:
         """Pack ``t`` in place of the tensors ``replaces`` that PyTorch's op would save; with
         ``share_as``, later savers of that tensor reuse this packed copy (``dirty``: the
-        function marks it dirty, which bumps its version once more after forward)."""
+        function marks it dirty, which bumps its version once more after forward). ``reads``:
+        this op's backward reads the rounded values (not only its exact zeros)."""
+        if self.allocator() is not None:
+            saved = self._hold(self._new(self._quantize_planned(t, zero_code)), kind, replaces)
+            saved.slot = self._last_slot
+            if reads:
+                self._touch(saved.slot)
+            if share_as is not None:
+                self._remember(share_as, _ALLOCATED, saved, bumps=int(dirty))
+            return saved
         packed = quantize(t, bits, group_size=self.level.group_size, zero_code=zero_code)
         saved = self._hold(self._new(packed), kind, replaces)
         if share_as is not None:
@@ -385,15 +455,22 @@ def _session() -> _Session:
 
 
 @contextlib.contextmanager
-def shared_cache() -> Iterator[None]:
+def shared_cache(autoprec: AutoPrecision | None = None) -> Iterator[None]:
     """Within this block, compressed() contexts that open and close (one per layer of a
     compress()ed model) share one packed-storage cache: a tensor saved by several layers (the
-    input of q, k and v projections) is packed once."""
+    input of q, k and v projections) is packed once. ``autoprec``: the allocator of the model
+    whose forward pass this block is (one step of it)."""
     s = _session()
     s.holds += 1
+    previous = s.autoprec
+    if autoprec is not None:
+        s.autoprec = autoprec
+        if torch.is_grad_enabled():
+            autoprec.begin_step()
     try:
         yield
     finally:
+        s.autoprec = previous
         s.holds -= 1
         if not s.holds and not s.levels:
             s.cache.clear()
@@ -403,12 +480,15 @@ def shared_cache() -> Iterator[None]:
 
 @contextlib.contextmanager
 def compressed(level: str | Level = "L3",
-               stats: Callable[[CompressionStats], None] | None = None) -> Iterator[Level]:
+               stats: Callable[[CompressionStats], None] | None = None,
+               autoprec: AutoPrecision | None = None) -> Iterator[Level]:
     """Compress the activations autograd saves for backward, for any model.
 
     ``with actune.compressed("L3"): loss = model(x)`` then ``loss.backward()`` (inside or
     outside the block). Contexts nest; the innermost level applies. ``stats``, if given, is
-    called with the :class:`CompressionStats` when the outermost context exits.
+    called with the :class:`CompressionStats` when the outermost context exits. With a level
+    that has ``avg_bits`` (``"2b"``, ``"1.25b"``), ``autoprec`` allocates the bits: each
+    block is one step of it. Without one such a level packs every tensor at its uniform bits.
     """
     lv = get_level(level)
     s = _session()
@@ -418,11 +498,17 @@ def compressed(level: str | Level = "L3",
     outer = not s.levels
     if outer:
         s.stats_sink = stats
+    previous = s.autoprec
+    if autoprec is not None:
+        s.autoprec = autoprec
+        if torch.is_grad_enabled():
+            autoprec.begin_step()
     s.push(lv)
     try:
         yield lv
     finally:
         s.pop()
+        s.autoprec = previous
         if lv.defrag and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
@@ -480,7 +566,7 @@ class _ReLU(torch.autograd.Function):
     def forward(ctx, x, inplace, bits, session):
         y = torch.relu_(x) if inplace else torch.relu(x)
         ctx.y = session.pack_value(y, bits, "relu", replaces=(y,), share_as=y, zero_code=True,
-                                   dirty=inplace)
+                                   dirty=inplace, reads=False)
         if inplace:
             ctx.mark_dirty(x)
         return y
@@ -489,7 +575,10 @@ class _ReLU(torch.autograd.Function):
     def backward(ctx, grad):
         _check_double_backward()
         # PyTorch's own ReLU backward on the dequantized output (whose zeros are exact)
-        return torch.ops.aten.threshold_backward(grad, ctx.y.get(), 0.0), None, None, None
+        y = ctx.y.get()
+        if y.dtype == torch.bool:  # the allocator kept only the mask
+            return grad.masked_fill(~y, 0.0), None, None, None
+        return torch.ops.aten.threshold_backward(grad, y, 0.0), None, None, None
 
 
 class _Dropout(torch.autograd.Function):
@@ -704,6 +793,58 @@ class _FunctionMode(TorchFunctionMode):
         if not args or not _needs_grad(*args, *kwargs.values()):
             return func(*args, **kwargs)
         s = self.s
+        ap = s.allocator()
+        if ap is None or not ap.collecting:
+            return self._run(func, args, kwargs)
+        # a statistics step: the gradient of this op's output weighs the slots it reads
+        outer, s.touched = s.touched, []
+        try:
+            out = self._run(func, args, kwargs)
+        finally:
+            touched, s.touched = s.touched, outer
+        if touched or func in _MATMUL_FUNCS:
+            first = out if isinstance(out, torch.Tensor) else next(
+                (o for o in out if isinstance(o, torch.Tensor)), None) if isinstance(
+                out, tuple | list) else None
+            if first is not None:
+                self._watch(ap, touched, first, func, args, kwargs)
+        return out
+
+    def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
+               kwargs) -> None:
+        """Tell the allocator how rounding noise in what ``func`` saved reaches parameter
+        gradients (statistics steps only; device scalars, no synchronisation; derivation in
+        docs/autoprec.md). A matmul's input noise enters its own weight gradient, ``fan_in``
+        elements per output gradient element; the size of that weight gradient,
+        ``fan_in * mean(x**2) * |grad|**2``, is what noise relayed from above it perturbs. An
+        elementwise op's noise enters the gradient of its input and is relayed to every weight
+        gradient below it (a norm's noise relative to its input's spread, hence ``1 / var``)."""
+        x = args[0]
+        if func in _MATMUL_FUNCS:
+            fan = _fan_in(func, args, kwargs)
+            size = (x.detach().float().square().mean() * fan
+                    if isinstance(x, torch.Tensor) and x.is_floating_point() else None)
+            ap.watch(touched, out, fan, relayed=False, size=size)
+            self.s.last_matmul = (weakref.ref(out), func, args, kwargs)
+            return
+        if func in _NORMS and isinstance(x, torch.Tensor) and x.dim() >= 2:
+            dims = (0, *range(2, x.dim())) if func is F.batch_norm else (x.dim() - 1,)
+            scale = (x.detach().float().var(dim=dims) + 1e-5).reciprocal().mean()
+            weight = _arg(args, kwargs, 3, "weight", None) if func is F.batch_norm else None
+            coherent = None
+            if isinstance(weight, torch.Tensor):
+                coherent = _coherent(self.s.last_matmul, x, weight, dims)
+            self.s.last_matmul = None  # holds the matmul's input: let it go
+            ap.watch(touched, out, scale, relayed=True,
+                     norm=(weight, dims, coherent) if isinstance(weight, torch.Tensor)
+                     else None)
+            if isinstance(weight, torch.Tensor):  # and directly its own weight's gradient
+                ap.watch(touched, out, scale, relayed=False)
+            return
+        ap.watch(touched, out, 1.0, relayed=True)
+
+    def _run(self, func, args, kwargs):
+        s = self.s
         level = s.level
         replaced = self._replace(func, args, kwargs, level) if not level.exact else None
         if replaced is not None:
@@ -782,6 +923,58 @@ class _FunctionMode(TorchFunctionMode):
             dtype = kwargs.get("dtype")
             return _Softmax.apply(x, dim, dtype, bits, s)
         return None
+
+
+_NORMS = {F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm, F.rms_norm}
+_CONVS = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+          F.conv_transpose3d}
+
+
+def _coherent(last, h: torch.Tensor, gamma: torch.Tensor, dims) -> torch.Tensor | None:
+    """Per channel ``gamma**2 * invstd**4 * |sum x_hat * x_patch|**2 / M**2`` for a batch norm
+    whose input ``h`` a convolution or linear layer just produced from ``x``: the factor by which
+    the channel's rounding noise, shared by all its elements through the mean in batch norm's
+    backward, reaches that layer's weight gradient coherently (docs/autoprec.md)."""
+    if last is None or last[0]() is not h or last[1] not in (*_CONVS, F.linear):
+        return None
+    _, func, args, kwargs = last
+    x, w = args[0], _arg(args, kwargs, 1, "weight", None)
+    if not isinstance(w, torch.Tensor) or func in _CONVS - {F.conv1d, F.conv2d, F.conv3d}:
+        return None
+    with torch.no_grad():
+        hd = h.detach().float()
+        mean = hd.mean(dim=dims, keepdim=True)
+        invstd = (hd.var(dim=dims, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+        x_hat = (hd - mean) * invstd
+        xd = x.detach().float()
+        if func is F.linear:
+            a = x_hat.reshape(-1, x_hat.shape[-1]).t() @ xd.reshape(-1, xd.shape[-1])
+        else:
+            stride = _arg(args, kwargs, 3, "stride", 1)
+            padding = _arg(args, kwargs, 4, "padding", 0)
+            dilation = _arg(args, kwargs, 5, "dilation", 1)
+            groups = _arg(args, kwargs, 6, "groups", 1)
+            if isinstance(padding, str):
+                return None
+            n = w.dim() - 2
+            a = torch.ops.aten.convolution_backward(
+                x_hat, xd, w.detach().float(), None, _tuple(stride, n), _tuple(padding, n),
+                _tuple(dilation, n), False, [0] * n, groups, [False, True, False])[1]
+        count = h.numel() // h.shape[1]
+        per_channel = a.reshape(a.shape[0], -1).square().sum(1)
+        return (gamma.detach().float().square() * invstd.reshape(-1) ** 4 * per_channel
+                / count**2)
+
+
+def _fan_in(func, args, kwargs) -> int:
+    """How many saved elements each output element of ``func`` reads per weight (the factor
+    by which rounding noise in its input reaches its weight gradient; 1 for elementwise ops)."""
+    if func in _CONVS:
+        weight = _arg(args, kwargs, 1, "weight", None)
+        return int(weight[0].numel()) if isinstance(weight, torch.Tensor) else 1
+    if func in _MATMUL_FUNCS and isinstance(args[0], torch.Tensor) and args[0].dim():
+        return int(args[0].shape[-1])
+    return 1
 
 
 def _arg(args, kwargs, i, name, default):

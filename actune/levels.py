@@ -8,11 +8,12 @@ mutable state: several models can train at different levels in one process.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, replace
 
 from actune_kernels import layout
 
-__all__ = ["LEVELS", "Level", "get_level", "parse_levels"]
+__all__ = ["LEVELS", "Level", "get_level", "mixed", "parse_levels"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,10 @@ class Level:
     instead of full tensors. ``offload``: packed activations go to pinned host memory during
     forward and come back in backward (CUDA only). ``defrag``: release cached allocator blocks
     between forward and backward and use expandable segments (CUDA only). ``min_numel``:
-    smaller tensors are kept as they are (packing them gains nothing).
+    smaller tensors are kept as they are (packing them gains nothing). ``avg_bits``: mixed
+    precision: an allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed
+    tensor, and each sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the
+    gradient is sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).
     """
 
     name: str
@@ -37,6 +41,7 @@ class Level:
     offload: bool = False
     defrag: bool = False
     min_numel: int = 1024
+    avg_bits: float | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -48,6 +53,13 @@ class Level:
                 except ValueError as err:
                     raise ValueError(f"Level {self.name!r}: {field}: {err}") from None
         layout.check_group_size(self.group_size)
+        if self.avg_bits is not None:
+            if not 1 <= self.avg_bits <= 8:
+                raise ValueError(f"Level {self.name!r}: avg_bits must be within [1, 8], got "
+                                 f"{self.avg_bits}")
+            if self.matmul_bits is None and self.other_bits is None:
+                raise ValueError(f"Level {self.name!r}: avg_bits needs something compressed "
+                                 f"(set matmul_bits or other_bits)")
         if self.defrag and not self.offload:
             raise ValueError(f"Level {self.name!r}: defrag builds on offload; set offload=True")
 
@@ -84,13 +96,35 @@ L5 = L4.with_(name="L5", defrag=True,
 LEVELS: dict[str, Level] = {lv.name: lv for lv in (L0, L1, L2, L3, L4, L5)}
 
 
+_AVERAGE = re.compile(r"^(\d+(?:\.\d+)?)\s*(?:b|bits?)?$", re.IGNORECASE)
+
+
+def mixed(avg_bits: float) -> Level:
+    """L3 with bits allocated by gradient sensitivity, ``avg_bits`` on average (named
+    ``"2b"``, ``"1.25b"``). Without an allocator attached it packs at the widest width not
+    above the average."""
+    if not 1 <= avg_bits <= 8:
+        raise ValueError(f"average bits must be within [1, 8], got {avg_bits:g}")
+    uniform = max(b for b in layout.SUPPORTED_BITS if b <= avg_bits)
+    return L3.with_(name=f"{avg_bits:g}b", matmul_bits=uniform, other_bits=uniform,
+                    avg_bits=float(avg_bits),
+                    description=f"{avg_bits:g} bits on average, allocated where the gradient "
+                                f"is sensitive; 1-bit masks")
+
+
 def get_level(level: str | Level) -> Level:
-    """The level named ``level`` (``"L3"``, case-insensitive), or ``level`` itself."""
+    """The level named ``level`` (``"L3"``, case-insensitive), a mixed-precision level from
+    its average bits (``"2b"``, ``"1.25"``, ``"3bits"``), or ``level`` itself."""
     if isinstance(level, Level):
         return level
-    found = LEVELS.get(str(level).strip().upper())
+    text = str(level).strip()
+    found = LEVELS.get(text.upper())
     if found is None:
-        raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(LEVELS)}")
+        average = _AVERAGE.match(text)
+        if average:
+            return mixed(float(average.group(1)))
+        raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(LEVELS)}, or "
+                         f"an average number of bits such as 2b or 1.25b (mixed precision)")
     return found
 
 
@@ -98,6 +132,7 @@ def parse_levels(text: str) -> list[Level]:
     """Levels from ``"L0-L5"``, ``"L0,L3"`` or ``"L3"``."""
     names = list(LEVELS)
     out: list[Level] = []
+    text = text.replace(" ", "")
     for part in filter(None, (p.strip() for p in text.split(","))):
         if "-" in part:
             a, b = (get_level(x).name for x in part.split("-", 1))

@@ -10,6 +10,7 @@ calls them runs under ``FakeTensorMode`` and passes ``torch.library.opcheck``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,8 @@ import torch
 
 from actune_kernels import layout
 
-__all__ = ["PackedTensor", "dequantize", "quantize"]
+__all__ = ["PackedSamples", "PackedTensor", "dequantize", "dequantize_samples", "group_steps",
+           "quantize", "quantize_samples"]
 
 _SEED_RANGE = 2**31 - 1
 _KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -216,6 +218,65 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     flat = unpack(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype, p.zero_code)
     out = flat.as_strided(p.shape, p.stride)
     return out
+
+
+def group_steps(p: PackedTensor) -> torch.Tensor:
+    """Each group's step between codes (float32; 0 for groups holding NaN or inf)."""
+    word = p.meta[:, 1]
+    magnitude = word & 0x7FFF
+    half = magnitude.view(torch.float16).float()
+    brain = magnitude.view(torch.bfloat16).float()
+    steps = torch.where(word < 0, brain, half)  # the sign bit names the grid (see layout)
+    return torch.nan_to_num(steps, nan=0.0, posinf=0.0)
+
+
+@dataclass(frozen=True)
+class PackedSamples:
+    """A tensor whose samples (along dim 0) were quantized with different bits: ``parts``
+    holds, per bit width, the indices of its samples and their packed rows."""
+
+    parts: tuple[tuple[torch.Tensor, PackedTensor], ...]
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(idx.nbytes + p.nbytes for idx, p in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0][1].device
+
+
+def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
+                     group_size: int = layout.DEFAULT_GROUP_SIZE,
+                     zero_code: bool = False) -> PackedSamples:
+    """Quantize the samples of ``x`` (dim 0) with different bits. Samples are ranked by their
+    sum of squares, largest first; ``runs`` = ((bits, count), ...) gives the first ``count``
+    of them ``bits``, the next run the next ones, and so on (the counts add up to the batch).
+    All of it stays on the device: nothing waits for the ranking."""
+    n = x.shape[0]
+    if sum(k for _, k in runs) != n:
+        raise ValueError(f"runs cover {sum(k for _, k in runs)} samples, the tensor has {n}")
+    rows = x.detach().reshape(n, -1)
+    order = torch.argsort(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32),
+                          descending=True)
+    parts, at = [], 0
+    for bits, k in runs:
+        idx = order[at:at + k]
+        at += k
+        parts.append((idx, quantize(rows.index_select(0, idx), bits, group_size=group_size,
+                                    zero_code=zero_code)))
+    return PackedSamples(tuple(parts), x.shape, x.dtype)
+
+
+def dequantize_samples(p: PackedSamples) -> torch.Tensor:
+    """The (contiguous) tensor ``p`` was made from, up to quantization error."""
+    n = p.shape[0]
+    out = torch.empty((n, math.prod(p.shape[1:])), dtype=p.dtype, device=p.device)
+    for idx, part in p.parts:
+        out.index_copy_(0, idx, dequantize(part))
+    return out.view(p.shape)
 
 
 @dataclass(frozen=True)

@@ -83,14 +83,15 @@ class Report:
                 r.ratio = r.value / base.value if r.value and base.value else None
 
 
-def write_json(report: Report, path: str | Path) -> None:
-    """Write atomically: a temporary file in the same folder, then a rename."""
+def write_json(report: Report | dict, path: str | Path) -> None:
+    """Write a report (or any JSON-able dict) atomically: a temporary file in the same folder,
+    then a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(report.to_json(), f, indent=2)
+            json.dump(report.to_json() if isinstance(report, Report) else report, f, indent=2)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:

@@ -8,6 +8,8 @@ A model file is a plain Python file (see docs/tuning.md and docs/examples/model.
         return inputs, targets
     def loss_fn(outputs, targets): ...                       # optional: cross entropy
     def make_optimizer(parameters): ...                      # optional: SGD, momentum 0.9
+    def make_dataset(resolution=32):                         # optional: for `actune train`
+        return x_train, y_train, x_test, y_test
 
 Everything that can go wrong while loading or dry-running it raises :class:`WorkloadError`
 with one paragraph that says what to fix.
@@ -27,7 +29,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from actune import zoo
+from actune import data, zoo
+from actune.data import Dataset
 
 __all__ = ["DIMENSIONS", "Workload", "WorkloadError", "builtin", "from_source", "load"]
 
@@ -53,6 +56,28 @@ class Workload:
     optimizer: Callable = _default_optimizer
     dims: dict[str, float] = field(default_factory=dict)  # scalable keyword -> default value
     source: str = ""  # the model file's path, or "builtin:NAME" (to rebuild it elsewhere)
+    dataset_fn: Callable | None = None  # make_dataset(): real data for training
+
+    def dataset(self, resolution: int | None = None) -> Dataset:
+        """The workload's training and test data (``make_dataset`` of a model file)."""
+        if self.dataset_fn is None:
+            raise WorkloadError(
+                f"{self.name} has no dataset. Define make_dataset() in the model file, "
+                f"returning (x_train, y_train, x_test, y_test) tensors, or train a built-in "
+                f"image model (--model tinycnn, resnet18, ...) on scikit-learn's digits.")
+        wants = "resolution" in inspect.signature(self.dataset_fn).parameters
+        made = self._call("make_dataset()", self.dataset_fn,
+                          *([resolution] if wants and resolution else []))
+        if isinstance(made, Dataset):
+            return made
+        if not (isinstance(made, tuple | list) and len(made) == 4
+                and all(isinstance(t, torch.Tensor) for t in made)):
+            raise WorkloadError(f"{self.name}: make_dataset() must return four tensors "
+                                f"(x_train, y_train, x_test, y_test), got {_describe(made)}.")
+        try:
+            return Dataset(self.name, *made)
+        except ValueError as err:
+            raise WorkloadError(f"{self.name}: make_dataset(): {err}.") from None
 
     def model(self, **sizes) -> nn.Module:
         """The model at ``sizes`` (scalable keywords only)."""
@@ -139,7 +164,15 @@ def builtin(name: str) -> Workload:
     dims = {"depth": 1.0, "width": 1.0, "resolution": spec.resolution}
     if spec.name == "tinycnn":
         dims = {"width": 1.0, "resolution": spec.resolution}
-    return Workload(spec.name, spec.factory, batch, dims=dims, source=f"builtin:{spec.name}")
+    dataset_fn = None
+    if spec.inputs != "tokens":
+        channels = 1 if spec.inputs == "digits" else 3
+
+        def dataset_fn(resolution: int = 8 if channels == 1 else 32) -> Dataset:
+            return data.digits(resolution, channels)
+
+    return Workload(spec.name, spec.factory, batch, dims=dims, source=f"builtin:{spec.name}",
+                    dataset_fn=dataset_fn)
 
 
 def load(path: str | Path) -> Workload:
@@ -175,7 +208,8 @@ def load(path: str | Path) -> Workload:
     return Workload(p.stem, factory, module.make_batch,
                     loss=getattr(module, "loss_fn", F.cross_entropy),
                     optimizer=getattr(module, "make_optimizer", _default_optimizer),
-                    dims=dims, source=str(p.resolve()))
+                    dims=dims, source=str(p.resolve()),
+                    dataset_fn=getattr(module, "make_dataset", None))
 
 
 def from_source(source: str) -> Workload:

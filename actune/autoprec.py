@@ -1,0 +1,498 @@
+"""Mixed precision for saved activations: bits where the gradient is sensitive.
+
+Stochastic rounding of a saved activation to ``b`` bits adds variance to the gradient, and
+that variance falls as ``1 / (2**b - 1)**2``. For compressed tensor ``l`` (and, along the batch
+dimension, sample ``n``) it is about ``C_ln / (2**b_ln - 1)**2``; :func:`allocate` chooses
+``b_ln`` in {1, 2, 4, 8} to minimise ``sum C_ln / (2**b_ln - 1)**2`` under the memory budget
+``sum b_ln * numel_ln <= avg_bits * sum numel_ln`` (ActNN, ICML 2021, section 4).
+
+:class:`AutoPrecision` estimates ``C_ln`` from what a training step already has (the derivation
+is in docs/autoprec.md): the per-group steps stored in each packed tensor's metadata give the
+rounding noise per element at one bit, and the gradient reaching the op that reads the tensor
+gives its sensitivity. Statistics are gathered on one step in ``every``; they stay on the
+device until the next step starts, when one transfer brings them all to the host and the bits
+are allocated again. No step synchronises per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from actune.quant import PackedSamples, PackedTensor, group_steps
+
+__all__ = ["CHOICES", "AutoPrecision", "Plan", "allocate", "objective"]
+
+#: Bit widths the allocator chooses from (those the kernels pack).
+CHOICES = (1, 2, 4, 8)
+_NOISE = {0: 0.0, **{b: 1.0 / (2**b - 1) ** 2 for b in CHOICES}}  # 0: a mask only
+_NOISE4 = {b: v * v for b, v in _NOISE.items()}
+_EXACT_CELLS = 2_000_000  # items x capacity cells up to which allocate() solves exactly
+
+
+def objective(costs: Sequence[float], bits: Sequence[int],
+              quartic: Sequence[float] | None = None) -> float:
+    """The variance model: ``sum costs / (2**bits - 1)**2 + quartic / (2**bits - 1)**4``."""
+    q = np.zeros(len(costs)) if quartic is None else quartic
+    return float(sum(c * _NOISE[int(b)] + k * _NOISE4[int(b)]
+                     for c, k, b in zip(costs, q, bits, strict=True)))
+
+
+def allocate(costs: Sequence[float], numel: Sequence[int], avg_bits: float,
+             min_bits: Sequence[int] | int = 1,
+             quartic: Sequence[float] | None = None) -> np.ndarray:
+    """Bits in {1, 2, 4, 8} per item minimising ``sum costs / (2**bits - 1)**2`` (plus
+    ``quartic / (2**bits - 1)**4`` where given) subject to
+    ``sum bits * numel <= avg_bits * sum numel`` and ``bits >= min_bits``.
+
+    Small problems are solved exactly (dynamic programming over the bit budget); large ones
+    greedily by variance saved per bit spent, which is optimal up to the last upgrade that no
+    longer fits (the marginal saving of each item falls with every upgrade).
+    """
+    c = np.asarray(costs, dtype=np.float64).reshape(-1)
+    n = np.asarray(numel, dtype=np.int64).reshape(-1)
+    lo = np.broadcast_to(np.asarray(min_bits, dtype=np.int64), c.shape).copy()
+    q = np.zeros_like(c) if quartic is None else np.asarray(quartic, np.float64).reshape(-1)
+    if c.shape != n.shape or q.shape != c.shape:
+        raise ValueError(f"costs and numel differ in length ({c.size} vs {n.size})")
+    if c.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not (np.all(np.isfinite(c)) and np.all(np.isfinite(q))) or np.any(c < 0) or np.any(q < 0):
+        raise ValueError("costs must be finite and >= 0")
+    if np.any(n <= 0):
+        raise ValueError("numel must be positive")
+    if not set(lo.tolist()) <= set(CHOICES):
+        raise ValueError(f"min_bits must be in {CHOICES}")
+    total = int(n.sum())
+    capacity = math.floor(avg_bits * total + 1e-9 * total)
+    floor_bits = int((lo * n).sum())
+    if capacity < floor_bits:
+        raise ValueError(f"{avg_bits} bits on average is below the minimum these tensors "
+                         f"allow ({floor_bits / total:.3g}: tensors that keep exact zeros "
+                         f"need 2 bits)")
+    unit = int(np.gcd.reduce(n))
+    cells = capacity // unit + 1
+    # variance of each item at each width (falls, and ever more slowly, as bits double)
+    var = np.stack([c * _NOISE[b] + q * _NOISE4[b] for b in CHOICES], axis=1)
+    if c.size * cells <= _EXACT_CELLS:
+        return _exact(var, n // unit, capacity // unit, lo)
+    return _greedy(var, n, capacity, lo)
+
+
+def _exact(var: np.ndarray, n: np.ndarray, cap: int, lo: np.ndarray) -> np.ndarray:
+    """Multiple-choice knapsack by dynamic programming over used capacity (units of n)."""
+    best = np.zeros(cap + 1)  # best[u]: least variance of the items so far within u units
+    items = var.shape[0]
+    choice = np.zeros((items, cap + 1), dtype=np.int8)
+    for i in range(items):
+        new = np.full(cap + 1, np.inf)
+        for k, b in enumerate(CHOICES):
+            w = b * int(n[i])
+            if b < lo[i] or w > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[w:] = best[:cap + 1 - w] + var[i, k]
+            better = cand < new
+            new[better] = cand[better]
+            choice[i, better] = k
+        best = new
+    bits = np.zeros(items, dtype=np.int64)
+    u = cap
+    for i in range(items - 1, -1, -1):
+        b = CHOICES[choice[i, u]]
+        bits[i] = b
+        u -= b * int(n[i])
+    return bits
+
+
+def _greedy(var: np.ndarray, n: np.ndarray, cap: int, lo: np.ndarray) -> np.ndarray:
+    """Take upgrades (1->2, 2->4, 4->8 bits) in order of variance saved per bit spent."""
+    level = np.array([CHOICES.index(int(b)) for b in lo])
+    used = int((lo * n).sum())
+    steps = []  # (saving per bit, item, step index, cost)
+    for k in range(len(CHOICES) - 1):
+        a, b = CHOICES[k], CHOICES[k + 1]
+        ok = level <= k
+        gain = var[:, k] - var[:, k + 1]
+        cost = n * (b - a)
+        for i in np.flatnonzero(ok & (gain > 0)):
+            steps.append((gain[i] / cost[i], int(i), k, int(cost[i])))
+    steps.sort(key=lambda s: -s[0])
+    for _ratio, i, k, cost in steps:
+        if level[i] == k and used + cost <= cap:
+            level[i] = k + 1
+            used += cost
+    return np.array([CHOICES[k] for k in level], dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# The allocator attached to a training run.
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to pack one compressed tensor: ``bits`` for all of it, or ``by_rank`` (bits, count)
+    runs for its ``samples`` ranked by magnitude, largest first (``bits`` is then the widest).
+    ``collect``: this is a statistics step; report the packed tensor to :meth:`observe`."""
+
+    slot: int
+    bits: int
+    samples: int = 1
+    by_rank: tuple[tuple[int, int], ...] = ()
+    collect: bool = False
+
+
+@dataclass
+class _Slot:
+    label: str
+    numel: int
+    samples: int  # along dim 0 (1: one item for the whole tensor)
+    min_bits: int
+    cost: np.ndarray | None = None  # C per sample, sorted largest first (or [C])
+    quartic: np.ndarray | None = None  # the 1/B**4 coefficient, in the same order
+    bits: np.ndarray | None = None  # bits per rank
+    # gathered on a statistics step, on the device
+    noise: torch.Tensor | None = None  # per-sample rounding noise at one bit
+    direct: torch.Tensor | None = None  # per sample: sum of fan_in * |grad|^2 over matmuls
+    relayed: list = field(default_factory=list)  # (position, per-sample share of |grad|^2)
+
+    @property
+    def per_sample_numel(self) -> int:
+        return self.numel // self.samples
+
+
+@dataclass
+class AutoPrecision:
+    """Allocates bits to compressed tensors every ``every`` steps, ``avg_bits`` on average.
+
+    Attach it to a run with ``actune.compress(model, "2b")`` (which makes one, see
+    :func:`actune.autoprec_of`) or ``actune.compressed(level, autoprec=ap)``. Slots are the
+    compressed tensors of a step in the order they are saved; ``per_sample`` lets samples of
+    one tensor get different bits (tensors whose dim 0 is the batch).
+    """
+
+    avg_bits: float = 2.0
+    every: int = 50
+    per_sample: bool = True
+    steps: int = 0
+    reallocations: int = 0
+    slots: list[_Slot] = field(default_factory=list)
+    _fresh: list[_Slot] = field(default_factory=list, repr=False)
+    _collecting: bool = field(default=False, repr=False)
+    _cursor: int = field(default=0, repr=False)
+    _batch: int | None = field(default=None, repr=False)
+    _position: int = field(default=0, repr=False)
+    _sizes: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not CHOICES[0] <= self.avg_bits <= CHOICES[-1]:
+            raise ValueError(f"avg_bits must be within [1, 8], got {self.avg_bits}")
+        if self.every < 0:
+            raise ValueError("every must be >= 0 (0: never collect again)")
+
+    # -- the step's life cycle (called by actune.hooks) ----------------------------------------
+
+    def begin_step(self) -> None:
+        """A forward pass starts: fold the previous statistics step, if any, and reallocate."""
+        if self._fresh:
+            self._fold()
+        self._collecting = self.every > 0 and self.steps % self.every == 0
+        if self.steps == 0:
+            self._collecting = True
+        self.steps += 1
+        self._cursor = 0
+        self._position = 0
+        self._sizes = []
+        self._batch = None
+        self._fresh = []
+
+    def plan(self, t: torch.Tensor, zero_code: bool = False) -> Plan:
+        """How to pack the next compressed tensor of this step."""
+        slot = self._cursor
+        self._cursor += 1
+        if self._batch is None:
+            self._batch = int(t.shape[0]) if t.dim() else 1
+        samples = self._samples(t)
+        min_bits = 2 if zero_code else 1
+        collect = self._collecting and type(t) is torch.Tensor  # not under FakeTensorMode
+        if collect:
+            self._fresh.append(_Slot(f"{tuple(t.shape)}", t.numel(), samples, min_bits))
+        known = self.slots[slot] if slot < len(self.slots) else None
+        if known is None or known.bits is None or known.numel // known.samples != (
+                t.numel() // samples) or known.min_bits != min_bits:
+            return Plan(slot, self._default(min_bits), samples, collect=collect)
+        ranks = known.bits
+        if not ranks.any():  # zeros are all its readers need: a 1-bit mask
+            return Plan(slot, 0, samples, collect=collect)
+        if samples != known.samples:  # another batch size: keep the bits' proportions
+            if samples > 1:
+                ranks = ranks[(np.arange(samples) * known.samples) // samples]
+            else:  # one item now: the widest width within the samples' mean
+                mean = float(known.bits.mean())
+                ranks = np.array([max(max(b for b in CHOICES if b <= max(mean, 1)), min_bits)])
+        runs = _runs(ranks)
+        if len(runs) == 1:
+            return Plan(slot, runs[0][0], samples, collect=collect)
+        return Plan(slot, runs[0][0], samples, tuple(runs), collect=collect)
+
+    @property
+    def collecting(self) -> bool:
+        """True during a statistics step."""
+        return self._collecting
+
+    def observe(self, plan: Plan, packed: PackedTensor | PackedSamples) -> None:
+        """Record the rounding noise of the tensor packed for ``plan`` (statistics steps)."""
+        if plan.collect and plan.slot < len(self._fresh):
+            self._fresh[plan.slot].noise = rounding_noise(packed, plan.samples)
+
+    def watch(self, slots: Sequence[int], output: torch.Tensor,
+              factor: float | torch.Tensor, *, relayed: bool,
+              size: torch.Tensor | None = None,
+              norm: tuple | None = None) -> None:
+        """The op reading ``slots`` produced ``output`` (statistics steps). Its gradient,
+        times ``factor``, weighs their rounding noise: directly (a matmul's weight gradient)
+        or ``relayed`` to the weight gradients of every matmul before it in the forward pass.
+        A matmul gives ``size`` (``fan_in * mean(x**2)``): times ``|grad|**2`` it is how large
+        its weight gradient is, which relayed noise perturbs. A batch norm gives ``norm``
+        (its weight, the dims of its statistics): its input's noise reaches the input gradient
+        only through ``x_hat * mean(grad * x_hat)``, so the relayed share is scaled by the
+        squared correlation of grad and ``x_hat`` per channel (read off the weight's gradient)
+        plus ``1 / M`` (M elements per channel)."""
+        if not (self._collecting and output.requires_grad and type(output) is torch.Tensor):
+            return
+        position = self._position
+        self._position += 1
+        fresh = [self._fresh[i] for i in slots if i < len(self._fresh)]
+        if not fresh and size is None:
+            return
+
+        def hook(grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                g = grad.detach().float()
+                rows = g.reshape(g.shape[0], -1) if g.dim() > 1 else g.reshape(1, -1)
+                per_row = rows.square().sum(1)
+                total = per_row.sum()
+                if size is not None:
+                    self._sizes.append((position, total * size))
+                entries = []
+                for s in fresh:
+                    if s.samples > 1 and per_row.numel() == s.samples:
+                        w = per_row
+                    else:
+                        w = (total / s.samples).expand(s.samples)
+                    if relayed:
+                        share = w / total.clamp_min(1e-30)
+                        entry = [position, share * factor, None, None]
+                        if norm is not None:
+                            count = g.numel() // max(norm[0].numel(), 1)
+                            entry[2] = share * (factor * factor / count)  # noise x noise
+                            coherent = norm[2]
+                            if coherent is not None:  # shared by the channel's elements
+                                dims = norm[1]
+                                per_channel = g.square().sum(dim=dims)
+                                entry[3] = share * (coherent * per_channel).sum()
+                        s.relayed.append(entry)
+                        entries.append(entry)
+                    else:
+                        w = w * factor
+                        s.direct = w if s.direct is None else s.direct + w
+                if norm is not None and entries:
+                    _correlate(norm, g, entries)
+
+        output.register_hook(hook)
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    def _samples(self, t: torch.Tensor) -> int:
+        n = int(t.shape[0]) if t.dim() >= 2 else 1
+        if not self.per_sample or n <= 1 or n != self._batch or t.stride(0) != t.numel() // n:
+            return 1
+        return n
+
+    def _default(self, min_bits: int) -> int:
+        fit = [b for b in CHOICES if b <= self.avg_bits]
+        return max(fit[-1], min_bits)
+
+    def _fold(self) -> None:
+        """Estimate each slot's cost from the statistics step (one transfer to the host):
+        ``C_n = noise_n / numel_n * (direct_n + sum over relays of share_n * below)``, where
+        ``below`` is the summed size of the weight gradients before the relaying op."""
+        fresh, self._fresh = self._fresh, []
+        sizes, self._sizes = self._sizes, []
+        if not fresh or all(s.direct is None and not s.relayed for s in fresh):
+            return  # no backward ran (evaluation): nothing learned
+        tensors: list[torch.Tensor] = [torch.stack([v for _, v in sizes]).reshape(-1)
+                                       if sizes else torch.zeros(0)]
+        for s in fresh:
+            tensors.append(s.noise if s.noise is not None else torch.zeros(s.samples))
+            tensors.append(s.direct if s.direct is not None else torch.zeros(s.samples))
+            for _, lin, quad, coherent in s.relayed:
+                tensors.append(lin)
+                tensors.append(quad if quad is not None else torch.zeros(s.samples))
+                tensors.append(coherent if coherent is not None else torch.zeros(s.samples))
+        device = next((t.device for t in tensors if t.device.type != "cpu"), None)
+        flat = torch.cat([t.reshape(-1).float().to(device or "cpu") for t in tensors])
+        values = np.nan_to_num(flat.double().cpu().numpy(), nan=0.0, posinf=0.0)
+        at = len(sizes)
+        size_at = np.zeros(self._position + 1)
+        for (pos, _), v in zip(sizes, values[:at], strict=True):
+            size_at[pos] += v
+        below = np.concatenate([[0.0], np.cumsum(size_at)])  # below[p]: sizes before p
+        for s in fresh:
+            k = s.samples
+            noise, direct = values[at:at + k], values[at + k:at + 2 * k]
+            at += 2 * k
+            weight = direct.copy()
+            quad = np.zeros(k)
+            for pos, *_ in s.relayed:
+                weight += values[at:at + k] * below[pos] + values[at + 2 * k:at + 3 * k]
+                quad += values[at + k:at + 2 * k] * below[pos]
+                at += 3 * k
+            sigma2 = noise / s.per_sample_numel
+            cost, quartic = sigma2 * weight, sigma2 * sigma2 * quad
+            order = np.argsort(-cost, kind="stable")
+            s.cost, s.quartic = cost[order].copy(), quartic[order].copy()
+            s.noise, s.direct, s.relayed = None, None, []
+        self.slots = fresh
+        self.allocate()
+
+    def allocate(self) -> None:
+        """Allocate bits to the known slots from their estimated costs. A tensor kept with
+        exact zeros (a ReLU output) that no op reads beyond its zeros gets 0: a 1-bit mask,
+        outside the budget like every other mask."""
+        for s in self.slots:
+            if s.min_bits > 1 and not s.cost.any():
+                s.bits = np.zeros(s.samples, dtype=np.int64)
+        slots = [s for s in self.slots if s.bits is None or s.bits.any()]
+        if slots:
+            costs = np.concatenate([s.cost for s in slots])
+            quartic = np.concatenate([_quartic(s) for s in slots])
+            numel = np.concatenate([np.full(s.samples, s.per_sample_numel) for s in slots])
+            lo = np.concatenate([np.full(s.samples, s.min_bits) for s in slots])
+            bits = allocate(costs, numel, self.avg_bits, lo, quartic)
+            at = 0
+            for s in slots:
+                s.bits = np.sort(bits[at:at + s.samples])[::-1].copy()  # most to largest C
+                at += s.samples
+        self.reallocations += 1
+
+    # -- what it knows -------------------------------------------------------------------------
+
+    @property
+    def variance(self) -> float:
+        """The model's quantization variance at the allocated bits (0 before any)."""
+        return sum(objective(s.cost, s.bits, _quartic(s)) for s in self.slots
+                   if s.bits is not None and s.bits.any())
+
+    def uniform_variance(self, bits: int | None = None) -> float:
+        """The model's variance with every tensor at ``bits`` (default: the average, rounded
+        down to a packable width)."""
+        out = 0.0
+        for s in self.slots:
+            if s.cost is not None and s.cost.any():
+                b = max(bits or self._default(1), s.min_bits)
+                out += float(s.cost.sum()) * _NOISE[b] + float(_quartic(s).sum()) * _NOISE4[b]
+        return out
+
+    @property
+    def mean_bits(self) -> float:
+        """Allocated bits per element (over the slots' elements)."""
+        num = sum(float((s.bits * s.per_sample_numel).sum()) for s in self.slots
+                  if s.bits is not None)
+        den = sum(s.numel for s in self.slots if s.bits is not None and s.bits.any())
+        return num / den if den else 0.0
+
+    def rows(self) -> list[dict]:
+        """One row per slot: its shape, bits (mean and per rank), cost and variance."""
+        out = []
+        for i, s in enumerate(self.slots):
+            if s.bits is None:
+                continue
+            out.append({"slot": i, "shape": s.label, "numel": s.numel,
+                        "bits": float(s.bits.mean()),
+                        "bits_by_rank": [[int(b), int(k)] for b, k in _runs(s.bits)],
+                        "cost": float(s.cost.sum()),
+                        "variance": objective(s.cost, s.bits, _quartic(s))})
+        return out
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: settings, counters, and each slot's estimate and bits."""
+        return {"avg_bits": self.avg_bits, "every": self.every, "per_sample": self.per_sample,
+                "steps": self.steps, "reallocations": self.reallocations,
+                "slots": [{"label": s.label, "numel": s.numel, "samples": s.samples,
+                           "min_bits": s.min_bits,
+                           "cost": None if s.cost is None else s.cost.tolist(),
+                           "quartic": None if s.quartic is None else s.quartic.tolist(),
+                           "bits": None if s.bits is None else s.bits.tolist()}
+                          for s in self.slots]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.avg_bits = float(state["avg_bits"])
+        self.every = int(state["every"])
+        self.per_sample = bool(state["per_sample"])
+        self.steps = int(state["steps"])
+        self.reallocations = int(state["reallocations"])
+        self.slots = [_Slot(d["label"], int(d["numel"]), int(d["samples"]), int(d["min_bits"]),
+                            None if d["cost"] is None else np.asarray(d["cost"], np.float64),
+                            None if d.get("quartic") is None else np.asarray(d["quartic"],
+                                                                             np.float64),
+                            None if d["bits"] is None else np.asarray(d["bits"], np.int64))
+                      for d in state["slots"]]
+        self._fresh = []
+
+
+def _correlate(norm: tuple[torch.Tensor, tuple[int, ...]], grad: torch.Tensor,
+               entries: list[list]) -> None:
+    """Scale relayed batch-norm entries, once the weight's gradient is known, by
+    ``mean_c(corr(grad, x_hat)**2) + 1 / M`` (see :meth:`AutoPrecision.watch`)."""
+    weight, dims = norm[0], norm[1]
+    count = grad.numel() // max(weight.numel(), 1)  # M: elements per channel
+    grad_sq = grad.square().mean(dim=dims)  # mean over the channel of grad**2
+    handle = None
+
+    def on_weight(grad_weight: torch.Tensor) -> None:
+        handle.remove()
+        with torch.no_grad():
+            mean_gx = grad_weight.detach().float() / count  # mean(grad * x_hat) per channel
+            corr = (mean_gx.square() / grad_sq.clamp_min(1e-30)).clamp(max=1.0).mean()
+            for entry in entries:
+                entry[1] = entry[1] * (corr + 1.0 / count)
+
+    handle = weight.register_hook(on_weight)
+
+
+def rounding_noise(packed: PackedTensor | PackedSamples, samples: int) -> torch.Tensor:
+    """Per sample, the variance stochastic rounding adds at one bit, from the packed metadata:
+    ``sum`` over groups of ``G * range**2 / 6`` (``range`` = step * (levels - 1)); spread
+    evenly over the samples where groups do not line up with them. Stays on the device."""
+    if isinstance(packed, PackedSamples):
+        out = torch.zeros(samples, device=packed.device)
+        for idx, part in packed.parts:
+            out.index_copy_(0, idx, rounding_noise(part, idx.numel()))
+        return out
+    levels = 2**packed.bits - 1 - int(packed.zero_code)
+    per_group = (group_steps(packed) * levels).square() * (packed.group_size / 6.0)
+    numel = packed.numel()
+    if samples > 1 and (numel // samples) % packed.group_size == 0:
+        return per_group.view(samples, -1).sum(1)
+    return (per_group.sum() / samples).expand(samples)
+
+
+def _quartic(s: _Slot) -> np.ndarray:
+    return s.quartic if s.quartic is not None else np.zeros_like(s.cost)
+
+
+def _runs(bits: np.ndarray) -> list[tuple[int, int]]:
+    """[(bits, count)] runs of a sequence sorted largest first."""
+    out: list[tuple[int, int]] = []
+    for b in bits.tolist():
+        if out and out[-1][0] == b:
+            out[-1] = (b, out[-1][1] + 1)
+        else:
+            out.append((int(b), 1))
+    return out

@@ -1,0 +1,92 @@
+"""Train a model at several levels on real data, side by side, with the same seeds.
+
+Each level starts from the same initial weights and sees the same batches in the same order;
+only the compression differs (and the rounding's own random draws).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from actune.autoprec import AutoPrecision
+from actune.convert import autoprec_of, compress
+from actune.data import Dataset
+from actune.levels import Level
+
+__all__ = ["EpochResult", "accuracy", "train"]
+
+
+@dataclass(frozen=True)
+class EpochResult:
+    """One epoch of one level: mean training loss, accuracies (fractions) and seconds."""
+
+    level: str
+    epoch: int
+    loss: float
+    train_accuracy: float
+    test_accuracy: float
+    seconds: float
+    mean_bits: float | None = None  # the allocator's bits per element (mixed precision)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512) -> float:
+    """Fraction of ``x`` classified as ``y`` (evaluation mode, no compression needed)."""
+    was = model.training
+    model.eval()
+    right = 0
+    for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
+        right += int((model(xb).argmax(1) == yb).sum())
+    model.train(was)
+    return right / len(y)
+
+
+def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, epochs: int,
+          seed: int, batch_size: int = 64, loss_fn: Callable = nn.functional.cross_entropy,
+          make_optimizer: Callable | None = None, every: int = 50,
+          on_step: Callable[[], None] | None = None,
+          keep: Callable[[nn.Module, AutoPrecision | None], None] | None = None,
+          ) -> Iterator[EpochResult]:
+    """Train a fresh model (built after ``torch.manual_seed(seed)``) at ``level``; yields one
+    :class:`EpochResult` per epoch. ``every``: steps between re-allocations (mixed-precision
+    levels). ``keep`` is called with the model and its allocator at the end."""
+    torch.manual_seed(seed)
+    model = build_model()
+    compress(model, level, every=every)
+    model.train()
+    optimizer = (make_optimizer or _default_optimizer)(model.parameters())
+    order = torch.Generator().manual_seed(seed)
+    ap = autoprec_of(model)
+    for epoch in range(1, epochs + 1):
+        start = time.perf_counter()
+        total_loss = 0.0
+        right = seen = 0
+        for xb, yb in data.batches(batch_size, order):
+            out = model(xb)
+            loss = loss_fn(out, yb)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total_loss += float(loss.detach()) * len(yb)
+            right += int((out.detach().argmax(1) == yb).sum())
+            seen += len(yb)
+            if on_step is not None:
+                on_step()
+        seconds = time.perf_counter() - start
+        yield EpochResult(level.name, epoch, total_loss / seen, right / seen,
+                          accuracy(model, data.x_test, data.y_test), seconds,
+                          ap.mean_bits if ap is not None and ap.reallocations else None)
+    if keep is not None:
+        keep(model, ap)
+
+
+def _default_optimizer(parameters) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.02, momentum=0.9)

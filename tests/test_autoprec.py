@@ -1,0 +1,195 @@
+"""The bit allocator: optimality, the budget, per-sample packing, its state, and training."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from hypothesis import given
+from hypothesis import strategies as st
+
+import actune
+from actune import autoprec, zoo
+from actune.autoprec import CHOICES, AutoPrecision, allocate, objective
+from actune.levels import get_level, parse_levels
+from actune.quant import dequantize_samples, quantize_samples
+
+
+def brute_force(costs, numel, avg_bits, min_bits, quartic=None):
+    """The least variance over every assignment that fits (the reference optimum)."""
+    cap = avg_bits * sum(numel) + 1e-9
+    best = None
+    for bits in itertools.product(CHOICES, repeat=len(costs)):
+        if any(b < lo for b, lo in zip(bits, min_bits, strict=True)):
+            continue
+        if sum(b * n for b, n in zip(bits, numel, strict=True)) <= cap:
+            v = objective(costs, bits, quartic)
+            best = v if best is None else min(best, v)
+    return best
+
+
+problems = st.integers(1, 5).flatmap(lambda k: st.tuples(
+    st.lists(st.floats(0, 1e3), min_size=k, max_size=k),
+    st.lists(st.integers(1, 6), min_size=k, max_size=k),
+    st.sampled_from([1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 5.5, 8.0]),
+    st.lists(st.sampled_from([1, 1, 2]), min_size=k, max_size=k),
+    st.lists(st.floats(0, 1e3), min_size=k, max_size=k)))
+
+
+@given(problems)
+def test_allocation_is_the_brute_force_optimum_on_small_problems(problem):
+    costs, numel, avg, lo, quartic = problem
+    if sum(b * n for b, n in zip(lo, numel, strict=True)) > avg * sum(numel):
+        with pytest.raises(ValueError, match="below the minimum"):
+            allocate(costs, numel, avg, lo, quartic)
+        return
+    bits = allocate(costs, numel, avg, lo, quartic)
+    assert set(bits.tolist()) <= set(CHOICES)
+    assert all(b >= m for b, m in zip(bits, lo, strict=True))
+    assert (bits * np.array(numel)).sum() <= avg * sum(numel) + 1e-9  # the budget, exactly
+    got = objective(costs, bits, quartic)
+    assert got == pytest.approx(brute_force(costs, numel, avg, lo, quartic), rel=1e-9, abs=1e-12)
+
+
+def test_greedy_on_large_problems_is_within_a_hair_of_the_exact_optimum():
+    rng = np.random.default_rng(0)
+    costs = rng.lognormal(0, 2, 300)
+    numel = rng.integers(1, 40, 300) * 64  # the exact path solves in units of 64
+    lo = np.ones(300, dtype=np.int64)
+    var = np.stack([costs * autoprec._NOISE[b] for b in CHOICES], axis=1)
+    for avg in (1.25, 2.0, 3.0):
+        cap = int(avg * numel.sum())
+        exact = autoprec._exact(var, numel // 64, cap // 64, lo)
+        greedy = autoprec._greedy(var, numel, cap, lo)
+        assert (allocate(costs, numel, avg) == greedy).all()  # too large: allocate is greedy
+        assert (greedy * numel).sum() <= cap
+        assert objective(costs, greedy) <= objective(costs, exact) * 1.02
+        assert objective(costs, greedy) >= objective(costs, exact) * (1 - 1e-12)
+
+
+def test_allocation_spends_bits_where_the_cost_is():
+    bits = allocate([100.0, 1.0, 1.0, 1.0], [10, 10, 10, 10], 2.0)
+    assert bits[0] > bits[1]
+    assert (bits * 10).sum() <= 80
+    with pytest.raises(ValueError, match="finite"):
+        allocate([-1.0], [1], 2.0)
+    with pytest.raises(ValueError, match="differ"):
+        allocate([1.0, 2.0], [1], 2.0)
+
+
+def test_levels_from_average_bits():
+    lv = get_level("1.25b")
+    assert (lv.name, lv.avg_bits, lv.matmul_bits) == ("1.25b", 1.25, 1)
+    assert get_level("2").avg_bits == 2.0 and get_level("3 bits").matmul_bits == 2
+    assert [x.name for x in parse_levels("L0,L3,2b,1.25")] == ["L0", "L3", "2b", "1.25b"]
+    with pytest.raises(ValueError, match="average number of bits"):
+        get_level("fast")
+    with pytest.raises(ValueError, match="within"):
+        get_level("9b")
+
+
+def test_per_sample_packing_gives_each_sample_its_bits():
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, 8, 8) * torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.25]).view(6, 1, 1, 1)
+    packed = quantize_samples(x, ((8, 2), (2, 4)))
+    widths = {int(idx_part.numel()): part.bits for idx_part, part in packed.parts}
+    assert widths == {2: 8, 4: 2}
+    # the two largest samples (by norm) got 8 bits
+    assert sorted(packed.parts[0][0].tolist()) == [0, 1]
+    y = dequantize_samples(packed)
+    assert y.shape == x.shape
+    err = (y - x).flatten(1).abs().amax(1) / x.flatten(1).abs().amax(1)
+    assert (err[:2] < 0.02).all() and (err[2:] > 0.05).all()
+    # unbiased, sample by sample
+    mean = torch.stack([dequantize_samples(quantize_samples(x, ((8, 2), (2, 4))))
+                        for _ in range(400)]).mean(0)
+    assert ((mean - x).norm() / x.norm()) < 0.02
+    with pytest.raises(ValueError, match="runs cover"):
+        quantize_samples(x, ((2, 5),))
+
+
+def _steps(model, ap_or_none, steps, x, y):
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_allocator_learns_keeps_the_budget_and_survives_state_dict():
+    torch.manual_seed(0)
+    model = zoo.tiny_cnn()
+    actune.compress(model, "1.25b", every=3)
+    ap = actune.autoprec_of(model)
+    assert isinstance(ap, AutoPrecision) and ap.avg_bits == 1.25
+    x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+    _steps(model, ap, 7, x, y)
+    assert ap.reallocations == 2  # after steps 1 and 4 (statistics on steps 1, 4, 7)
+    assert ap.mean_bits <= 1.25 + 1e-9
+    rows = ap.rows()
+    assert rows and all(r["cost"] >= 0 for r in rows)
+    assert {b for r in rows for b, _ in r["bits_by_rank"]} <= {0, 1, 2, 4, 8}
+    assert ap.variance <= ap.uniform_variance(1)
+    state = ap.state_dict()
+    again = AutoPrecision()
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    assert again.rows() == rows
+    # a model in eval mode (no backward) teaches nothing and changes nothing
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+    assert ap.state_dict()["slots"] == state["slots"]
+
+
+def test_per_sample_bits_are_used_in_training_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    actune.compress(model, "2b", every=2)
+    ap = actune.autoprec_of(model)
+    # very different samples: the large ones should get more bits
+    x = torch.randn(64, 64) * torch.logspace(-2, 2, 64).unsqueeze(1)
+    y = torch.randint(0, 10, (64,))
+    _steps(model, ap, 3, x, y)
+    mixed = [r for r in ap.rows() if len(r["bits_by_rank"]) > 1]
+    assert mixed, ap.rows()
+    with actune.compressed("2b", autoprec=ap, stats=(stats := []).append):
+        F.cross_entropy(model(x), y).backward()
+    assert stats
+
+
+def test_mixed_precision_training_on_digits_lowers_the_loss_like_exact_training():
+    from actune.data import digits
+
+    data = digits()
+    from actune.train import train
+
+    finals = {}
+    for name in ("L0", "L3", "2b", "1.25b"):
+        result = list(train(zoo.tiny_cnn, data, get_level(name), epochs=2, seed=0, every=10))
+        finals[name] = result[-1]
+    for name, r in finals.items():
+        assert r.loss < 0.6, (name, r)  # from ln(10) = 2.3
+        assert r.test_accuracy > 0.85, (name, r)
+        assert abs(r.loss - finals["L0"].loss) < 0.25, (name, r)
+    assert finals["2b"].mean_bits == pytest.approx(2.0, abs=0.01)
+    assert finals["1.25b"].mean_bits <= 1.25 + 1e-9
+
+
+def test_estimate_mode_runs_with_a_mixed_level():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), torch.device("cpu"):
+        model = zoo.tiny_cnn()
+        actune.compress(model, "2b")
+        x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+    assert actune.autoprec_of(model).reallocations == 0  # no statistics from fake tensors
