@@ -159,6 +159,7 @@ class _Slot:
     noise: torch.Tensor | None = None  # per-sample rounding noise at one bit
     direct: torch.Tensor | None = None  # per sample: sum of fan_in * |grad|^2 over matmuls
     relayed: list = field(default_factory=list)  # (position, per-sample share of |grad|^2)
+    score: torch.Tensor | None = None  # per-sample norm: the rank a sample gets in forward
 
     @property
     def per_sample_numel(self) -> int:
@@ -244,10 +245,16 @@ class AutoPrecision:
         """True during a statistics step."""
         return self._collecting
 
-    def observe(self, plan: Plan, packed: PackedTensor | PackedSamples) -> None:
-        """Record the rounding noise of the tensor packed for ``plan`` (statistics steps)."""
+    def observe(self, plan: Plan, packed: PackedTensor | PackedSamples,
+                t: torch.Tensor | None = None) -> None:
+        """Record the rounding noise of the tensor ``t`` packed for ``plan`` (statistics
+        steps), and the norm of each of its samples, by which samples are ranked."""
         if plan.collect and plan.slot < len(self._fresh):
-            self._fresh[plan.slot].noise = rounding_noise(packed, plan.samples)
+            slot = self._fresh[plan.slot]
+            slot.noise = rounding_noise(packed, plan.samples)
+            if plan.samples > 1 and t is not None:
+                slot.score = torch.linalg.vector_norm(t.detach().reshape(plan.samples, -1),
+                                                      dim=1, dtype=torch.float32)
 
     def watch(self, slots: Sequence[int], output: torch.Tensor,
               factor: float | torch.Tensor, *, relayed: bool,
@@ -330,6 +337,7 @@ class AutoPrecision:
         for s in fresh:
             tensors.append(s.noise if s.noise is not None else torch.zeros(s.samples))
             tensors.append(s.direct if s.direct is not None else torch.zeros(s.samples))
+            tensors.append(s.score if s.score is not None else torch.zeros(s.samples))
             for _, lin, quad, coherent in s.relayed:
                 tensors.append(lin)
                 tensors.append(quad if quad is not None else torch.zeros(s.samples))
@@ -345,7 +353,8 @@ class AutoPrecision:
         for s in fresh:
             k = s.samples
             noise, direct = values[at:at + k], values[at + k:at + 2 * k]
-            at += 2 * k
+            score = values[at + 2 * k:at + 3 * k]
+            at += 3 * k
             weight = direct.copy()
             quad = np.zeros(k)
             for pos, *_ in s.relayed:
@@ -354,9 +363,11 @@ class AutoPrecision:
                 at += 3 * k
             sigma2 = noise / s.per_sample_numel
             cost, quartic = sigma2 * weight, sigma2 * sigma2 * quad
-            order = np.argsort(-cost, kind="stable")
-            s.cost, s.quartic = cost[order].copy(), quartic[order].copy()
-            s.noise, s.direct, s.relayed = None, None, []
+            # by the rank forward gives a sample (its norm; the gradient is not known yet),
+            # as the expected cost at each rank: a non-increasing fit
+            order = np.argsort(-score, kind="stable")
+            s.cost, s.quartic = _non_increasing(cost[order]), _non_increasing(quartic[order])
+            s.noise, s.direct, s.relayed, s.score = None, None, [], None
         self.slots = fresh
         self.allocate()
 
@@ -481,6 +492,18 @@ def rounding_noise(packed: PackedTensor | PackedSamples, samples: int) -> torch.
     if samples > 1 and (numel // samples) % packed.group_size == 0:
         return per_group.view(samples, -1).sum(1)
     return (per_group.sum() / samples).expand(samples)
+
+
+def _non_increasing(values: np.ndarray) -> np.ndarray:
+    """The least-squares non-increasing fit of ``values`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values.tolist():
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            m2, n2 = blocks.pop()
+            m1, n1 = blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return np.concatenate([np.full(n, m) for m, n in blocks]) if blocks else values.copy()
 
 
 def _quartic(s: _Slot) -> np.ndarray:

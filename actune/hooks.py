@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 import threading
 import weakref
@@ -370,7 +371,7 @@ class _Session:
             packed = quantize_samples(t, plan.by_rank, group_size=group, zero_code=zero_code)
         else:
             packed = quantize(t, plan.bits, group_size=group, zero_code=zero_code)
-        ap.observe(plan, packed)
+        ap.observe(plan, packed, t)
         return packed
 
     def _touch(self, slot: int | None) -> None:
@@ -966,12 +967,36 @@ def _coherent(last, h: torch.Tensor, gamma: torch.Tensor, dims) -> torch.Tensor 
                 / count**2)
 
 
-def _fan_in(func, args, kwargs) -> int:
+@functools.lru_cache(maxsize=256)
+def _inside_share(size: int, k: int, stride: int, pad: int, dilation: int) -> float:
+    """The share of a kernel's taps, over all output positions, that land inside the input."""
+    outputs = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+    if outputs <= 0:
+        return 1.0
+    inside = sum(0 <= o * stride - pad + j * dilation < size
+                 for o in range(outputs) for j in range(k))
+    return inside / (outputs * k)
+
+
+def _fan_in(func, args, kwargs) -> float:
     """How many saved elements each output element of ``func`` reads per weight (the factor
     by which rounding noise in its input reaches its weight gradient; 1 for elementwise ops)."""
     if func in _CONVS:
         weight = _arg(args, kwargs, 1, "weight", None)
-        return int(weight[0].numel()) if isinstance(weight, torch.Tensor) else 1
+        if not isinstance(weight, torch.Tensor):
+            return 1
+        fan = float(weight[0].numel())
+        x = args[0]
+        if func in (F.conv1d, F.conv2d, F.conv3d) and isinstance(x, torch.Tensor):
+            n = weight.dim() - 2
+            padding = _arg(args, kwargs, 4, "padding", 0)
+            if not isinstance(padding, str):  # taps that fall on the padding read nothing
+                stride = _tuple(_arg(args, kwargs, 3, "stride", 1), n)
+                dilation = _tuple(_arg(args, kwargs, 5, "dilation", 1), n)
+                for size, k, st, p, d in zip(x.shape[-n:], weight.shape[2:], stride,
+                                             _tuple(padding, n), dilation, strict=True):
+                    fan *= _inside_share(int(size), int(k), int(st), int(p), int(d))
+        return fan
     if func in _MATMUL_FUNCS and isinstance(args[0], torch.Tensor) and args[0].dim():
         return int(args[0].shape[-1])
     return 1

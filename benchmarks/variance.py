@@ -1,0 +1,123 @@
+"""Gradient variance per level: the allocator against uniform bits, and against SGD's noise.
+
+For the tiny CNN on digits (8x8) and the built-in small ResNet (ResNet-18 at 32x32, digits
+resized to 3 x 32 x 32), at initialisation, batch 64:
+
+* the variance quantization adds to the gradient (sum over parameters, across rounding
+  seeds) at uniform bits (L3: 2 bits, L2: 4 bits) and with the allocator at the same
+  average (2b, 4b), and their ratio;
+* SGD's own minibatch variance (the same sum, across random batches of 64) next to it;
+* the allocator's cost: steady-state step time of 2b against L3, and the statistics step
+  (one in ``every``) amortised, as a share of L3's step time (rounds interleaved).
+
+    python benchmarks/variance.py [--repeats 16] [--draws 16] [--every 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from rich.console import Console
+from rich.table import Table
+
+import actune
+from actune import zoo
+from actune.data import digits
+from actune.levels import get_level
+from actune.numerics import measure
+
+PAIRS = (("L3", "2b"), ("L2", "4b"))
+
+
+def models():
+    yield "tinycnn (digits 8x8)", zoo.tiny_cnn, digits()
+    yield ("resnet18 (digits 3x32x32)", lambda: zoo.MODELS["resnet18"].factory(resolution=32),
+           digits(32, 3))
+
+
+def variance_table(repeats: int, draws: int, console: Console) -> None:
+    table = Table(title=f"quantization variance of the gradient, batch 64, {repeats} seeds; "
+                  f"SGD variance over {draws} batches", title_justify="left")
+    for col in ("model", "level", "bits", "quant. variance", "model estimate", "SGD variance",
+                "quant / SGD", "uniform / allocated", "bias (floor)"):
+        table.add_column(col, justify="left" if col in ("model", "level") else "right")
+    for name, factory, data in models():
+        torch.manual_seed(0)
+        net = factory()
+        levels = [get_level(n) for pair in PAIRS for n in pair]
+        res = {r.level: r for r in measure(net, data, levels, repeats=repeats, draws=draws)}
+        for uniform, mixed in PAIRS:
+            for lv in (uniform, mixed):
+                r = res[lv]
+                ratio = (f"{res[uniform].quant_variance / r.quant_variance:.2f}x"
+                         if lv == mixed else "")
+                table.add_row(name, lv, f"{r.mean_bits:.2f}" if r.mean_bits else
+                              str(get_level(lv).matmul_bits), f"{r.quant_variance:.4g}",
+                              f"{r.model_variance:.4g}" if r.model_variance else "-",
+                              f"{r.sgd_variance:.4g}", f"{r.ratio:.3f}", ratio,
+                              f"{r.bias:.3f} ({r.bias_floor:.3f})")
+        table.add_section()
+    console.print(table)
+
+
+def step_times(level: str, every: int, steps: int, x, y) -> list[float]:
+    torch.manual_seed(0)
+    model = actune.compress(zoo.MODELS["resnet18"].factory(resolution=32), level, every=every)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def cost_table(every: int, rounds: int, console: Console) -> None:
+    data = digits(32, 3)
+    x, y = data.x_train[:64], data.y_train[:64]
+    steady = {"L3": [], "2b": []}
+    stat = []
+    for _ in range(rounds):  # interleaved: the machine's drift hits both alike
+        for lv in ("L3", "2b"):
+            # every=3: statistics on steps 1, 4, 7; steps 2-3 and 5-6 are ordinary ones
+            times = step_times(lv, 3, 7, x, y)
+            steady[lv] += [times[i] for i in (2, 4, 5)]
+            if lv == "2b":
+                stat.append(times[3])  # step 4: a statistics step with allocated bits
+    l3, mixed = statistics.median(steady["L3"]), statistics.median(steady["2b"])
+    extra_stat = statistics.median(stat) - mixed
+    share = (mixed - l3 + extra_stat / every) / l3
+    table = Table(title=f"allocator cost, resnet18 32x32 batch 64 ({rounds} interleaved rounds)",
+                  title_justify="left")
+    for col in ("L3 step", "2b step", "statistics step", "extra per step (every "
+                f"{every})", "share of L3's step"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{l3 * 1e3:.1f} ms", f"{mixed * 1e3:.1f} ms",
+                  f"{statistics.median(stat) * 1e3:.1f} ms",
+                  f"{(mixed - l3 + extra_stat / every) * 1e3:.2f} ms", f"{100 * share:.1f}%")
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=16)
+    parser.add_argument("--draws", type=int, default=16)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    console = Console(width=140)
+    t0 = time.perf_counter()
+    variance_table(args.repeats, args.draws, console)
+    cost_table(args.every, args.rounds, console)
+    print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
