@@ -150,12 +150,12 @@ def test_allocator_learns_keeps_the_budget_and_survives_state_dict():
 
 def test_per_sample_bits_are_used_in_training_steps():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 10))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 10))
     actune.compress(model, "2b", every=2)
     ap = actune.autoprec_of(model)
-    # very different samples: the large ones should get more bits
-    x = torch.randn(64, 64) * torch.logspace(-2, 2, 64).unsqueeze(1)
+    # very different samples (one quantization group each): the large ones get more bits
+    x = torch.randn(64, 256) * torch.logspace(-2, 2, 64).unsqueeze(1)
     y = torch.randint(0, 10, (64,))
     _steps(model, ap, 3, x, y)
     mixed = [r for r in ap.rows() if len(r["bits_by_rank"]) > 1]
