@@ -127,3 +127,66 @@ def test_bench_plot_draws_a_png(tmp_path):
                  "--levels", "L0,L3", "--steps", "1", "--warmup", "0", "--plot", str(png))
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_side_by_side_with_the_allocation_and_json(tmp_path):
+    out = tmp_path / "train.json"
+    result = run("train", "--levels", "L0,1.25b", "--epochs", "2", "--every", "5",
+                 "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert "L0" in result.output and "1.25b" in result.output
+    assert "bits per compressed tensor" in result.output  # the allocator's table
+    data = json.loads(out.read_text())
+    assert data["schema"] == "actune.train/1"
+    rows = data["levels"]["1.25b"]["epochs"]
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["test_accuracy"] > 0.8
+    assert rows[-1]["mean_bits"] <= 1.25 + 1e-9
+    assert data["levels"]["1.25b"]["allocation"]["slots"]
+    assert data["levels"]["L0"]["allocation"] is None
+
+
+def test_train_from_a_model_file_with_its_own_dataset(tmp_path):
+    f = tmp_path / "blobs.py"
+    f.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "def build_model():\n"
+        "    return nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 3))\n"
+        "def make_batch(n):\n"
+        "    return torch.randn(n, 256), torch.randint(0, 3, (n,))\n"
+        "def make_dataset():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    y = torch.randint(0, 3, (300,), generator=g)\n"
+        "    x = torch.randn(300, 256, generator=g) + 2 * nn.functional.one_hot(y, 256)\n"
+        "    return x[:240], y[:240], x[240:], y[240:]\n")
+    result = run("train", str(f), "--levels", "L0,L3", "--epochs", "2")
+    assert result.exit_code == 0, result.output
+    assert "240 training / 60 test" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("train", "--model", "transformer"), "has no dataset"),
+    (("train", "--levels", "L3,9b"), "within [1, 8]"),
+    (("numerics", "--levels", "L0"), "compressing level"),
+])
+def test_train_and_numerics_bad_input(args, message):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+def test_numerics_reports_bias_and_both_variances(tmp_path):
+    out = tmp_path / "n.json"
+    result = run("numerics", "--levels", "L3,2b", "--repeats", "4", "--draws", "4",
+                 "--no-layers", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["schema"] == "actune.numerics/1"
+    l3, mixed = data["levels"]
+    assert (l3["level"], mixed["level"]) == ("L3", "2b")
+    for r in (l3, mixed):
+        assert 0 < r["quant_variance"] < r["sgd_variance"]  # rounding is the smaller noise
+        assert r["layers"] and sum(x["numel"] for x in r["layers"]) == 29162
+    assert mixed["mean_bits"] == pytest.approx(2.0, abs=1e-6)
