@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from actune.quant import PackedSamples, PackedTensor, group_steps
+from actune.quant import PackedRows, PackedSamples, PackedTensor, group_steps
 
 __all__ = ["CHOICES", "AutoPrecision", "Plan", "allocate", "objective"]
 
@@ -245,7 +245,7 @@ class AutoPrecision:
         """True during a statistics step."""
         return self._collecting
 
-    def observe(self, plan: Plan, packed: PackedTensor | PackedSamples,
+    def observe(self, plan: Plan, packed: PackedTensor | PackedSamples | PackedRows,
                 t: torch.Tensor | None = None) -> None:
         """Record the rounding noise of the tensor ``t`` packed for ``plan`` (statistics
         steps), and the norm of each of its samples, by which samples are ranked."""
@@ -477,7 +477,7 @@ def _correlate(norm: tuple[torch.Tensor, tuple[int, ...]], grad: torch.Tensor,
     handle = weight.register_hook(on_weight)
 
 
-def rounding_noise(packed: PackedTensor | PackedSamples, samples: int) -> torch.Tensor:
+def rounding_noise(packed: PackedTensor | PackedSamples | PackedRows, samples: int) -> torch.Tensor:
     """Per sample, the variance stochastic rounding adds at one bit, from the packed metadata:
     ``sum`` over groups of ``G * range**2 / 6`` (``range`` = step * (levels - 1)); spread
     evenly over the samples where groups do not line up with them. Stays on the device."""
@@ -486,6 +486,10 @@ def rounding_noise(packed: PackedTensor | PackedSamples, samples: int) -> torch.
         for idx, part in packed.parts:
             out.index_copy_(0, idx, rounding_noise(part, idx.numel()))
         return out
+    if isinstance(packed, PackedRows):
+        levels = (2 ** packed.row_bits.to(torch.int64) - 1 - int(packed.zero_code)).float()
+        steps = group_steps(packed).view(samples, -1)
+        return ((steps * levels.unsqueeze(1)).square() * (packed.group_size / 6.0)).sum(1)
     levels = 2**packed.bits - 1 - int(packed.zero_code)
     per_group = (group_steps(packed) * levels).square() * (packed.group_size / 6.0)
     numel = packed.numel()

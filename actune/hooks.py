@@ -48,6 +48,7 @@ from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level, get_level
 from actune.quant import (
     PackedMask,
+    PackedRows,
     PackedSamples,
     PackedTensor,
     dequantize,
@@ -176,7 +177,7 @@ class _Saved:
                 return packed
             if isinstance(packed, PackedMask):
                 out = unpack_mask(packed)
-            elif isinstance(packed, PackedSamples):
+            elif isinstance(packed, PackedSamples | PackedRows):
                 out = dequantize_samples(packed)
             else:
                 out = dequantize(packed)
@@ -202,6 +203,8 @@ def _tensors(p) -> tuple[torch.Tensor, ...]:
         return (p.bits8,)
     if isinstance(p, PackedSamples):
         return tuple(t for idx, part in p.parts for t in (idx, *_tensors(part)))
+    if isinstance(p, PackedRows):
+        return (p.codes, p.meta, p.row_bits, p.row_offset)
     return (p.codes, p.meta)
 
 
@@ -219,6 +222,9 @@ def _to_device(p, device: torch.device, pin: bool = False):
     if isinstance(p, PackedSamples):
         return dataclasses.replace(p, parts=tuple((move(idx), _to_device(part, device, pin))
                                                   for idx, part in p.parts))
+    if isinstance(p, PackedRows):
+        return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta),
+                                   row_bits=move(p.row_bits), row_offset=move(p.row_offset))
     return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta))
 
 
@@ -578,7 +584,7 @@ class _ReLU(torch.autograd.Function):
         # PyTorch's own ReLU backward on the dequantized output (whose zeros are exact)
         y = ctx.y.get()
         if y.dtype == torch.bool:  # the allocator kept only the mask
-            return grad.masked_fill(~y, 0.0), None, None, None
+            return grad * y, None, None, None
         return torch.ops.aten.threshold_backward(grad, y, 0.0), None, None, None
 
 

@@ -18,8 +18,8 @@ import torch
 
 from actune_kernels import layout
 
-__all__ = ["PackedSamples", "PackedTensor", "dequantize", "dequantize_samples", "group_steps",
-           "quantize", "quantize_samples"]
+__all__ = ["PackedRows", "PackedSamples", "PackedTensor", "dequantize", "dequantize_samples",
+           "group_steps", "quantize", "quantize_samples"]
 
 _SEED_RANGE = 2**31 - 1
 _KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -248,30 +248,91 @@ class PackedSamples:
         return self.parts[0][1].device
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """A tensor whose samples (rows along dim 0, whole groups each) were packed with their
+    own bits into one buffer: row ``r`` at ``row_bits[r]`` bits from byte ``row_offset[r]``.
+    Each row's codes and metadata are those :func:`quantize` gives the whole tensor at that
+    width (the CPU kernels' per-row variant: no copies)."""
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+    row_bits: torch.Tensor
+    row_offset: torch.Tensor
+    group_size: int
+    shape: torch.Size
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    zero_code: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return (self.codes.nbytes + self.meta.nbytes + self.row_bits.nbytes
+                + self.row_offset.nbytes)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+
 def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
                      group_size: int = layout.DEFAULT_GROUP_SIZE,
-                     zero_code: bool = False) -> PackedSamples:
+                     zero_code: bool = False) -> PackedSamples | PackedRows:
     """Quantize the samples of ``x`` (dim 0) with different bits. Samples are ranked by their
-    sum of squares, largest first; ``runs`` = ((bits, count), ...) gives the first ``count``
-    of them ``bits``, the next run the next ones, and so on (the counts add up to the batch).
-    All of it stays on the device: nothing waits for the ranking."""
+    norm, largest first; ``runs`` = ((bits, count), ...) gives the first ``count`` of them
+    ``bits``, the next run the next ones, and so on (the counts add up to the batch). All of
+    it stays on the device: nothing waits for the ranking. On the CPU, samples made of whole
+    groups are packed in place (:class:`PackedRows`); otherwise each run is gathered and
+    packed (:class:`PackedSamples`)."""
     n = x.shape[0]
     if sum(k for _, k in runs) != n:
         raise ValueError(f"runs cover {sum(k for _, k in runs)} samples, the tensor has {n}")
-    rows = x.detach().reshape(n, -1)
+    for bits, _ in runs:
+        layout.check_bits(bits)
+    x = x.detach()
+    dense = _storage_order(x)
+    per_sample = x.numel() // max(n, 1)
+    rows = x.reshape(n, -1) if dense is None or x.is_contiguous() else dense.reshape(n, -1)
     order = torch.argsort(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32),
                           descending=True)
-    parts, at = [], 0
-    for bits, k in runs:
-        idx = order[at:at + k]
-        at += k
-        parts.append((idx, quantize(rows.index_select(0, idx), bits, group_size=group_size,
-                                    zero_code=zero_code)))
-    return PackedSamples(tuple(parts), x.shape, x.dtype)
+    in_place = (dense is not None and x.stride(0) == per_sample and per_sample % group_size == 0
+                and x.device.type == "cpu" and _plain(x) and x.dtype in _KERNEL_DTYPES)
+    if not in_place:
+        parts, at = [], 0
+        for bits, k in runs:
+            idx = order[at:at + k]
+            at += k
+            parts.append((idx, quantize(rows.index_select(0, idx), bits,
+                                        group_size=group_size, zero_code=zero_code)))
+        return PackedSamples(tuple(parts), x.shape, x.dtype)
+    from actune_kernels import cpu as kernels
+
+    by_rank = torch.tensor([b for b, k in runs for _ in range(k)], dtype=torch.uint8)
+    row_bits = torch.empty(n, dtype=torch.uint8)
+    row_bits[order] = by_rank
+    sizes = row_bits.to(torch.int64) * (per_sample // 8)
+    row_offset = torch.cumsum(sizes, 0) - sizes
+    total = sum(b * k for b, k in runs) * (per_sample // 8)
+    codes = torch.empty(total, dtype=torch.uint8)
+    meta = torch.empty((x.numel() // group_size, 2), dtype=torch.int16)
+    kernels.pack_rows(_numpy(dense.reshape(-1)), _numpy(codes), _numpy(meta),
+                      row_bits.numpy(), row_offset.numpy(), group_size, _draw_seed(), 0, True,
+                      zero_code)
+    return PackedRows(codes, meta, row_bits, row_offset, group_size, x.shape, x.dtype,
+                      tuple(x.stride()), zero_code)
 
 
-def dequantize_samples(p: PackedSamples) -> torch.Tensor:
-    """The (contiguous) tensor ``p`` was made from, up to quantization error."""
+def dequantize_samples(p: PackedSamples | PackedRows) -> torch.Tensor:
+    """The tensor ``p`` was made from, up to quantization error (:class:`PackedRows`: same
+    strides; :class:`PackedSamples`: contiguous)."""
+    if isinstance(p, PackedRows):
+        from actune_kernels import cpu as kernels
+
+        numel = math.prod(p.shape)
+        flat = torch.empty(numel, dtype=p.dtype)
+        kernels.unpack_rows(_numpy(p.codes), _numpy(p.meta), p.row_bits.numpy(),
+                            p.row_offset.numpy(), p.group_size, _numpy(flat), p.zero_code)
+        return flat.as_strided(p.shape, p.stride)
     n = p.shape[0]
     out = torch.empty((n, math.prod(p.shape[1:])), dtype=p.dtype, device=p.device)
     for idx, part in p.parts:

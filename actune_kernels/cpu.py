@@ -239,3 +239,79 @@ def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
     """Fill 1-D float32/float64 ``out`` from ``codes`` and ``meta``."""
     if out.size:
         _unpack(codes, meta, bits, group_size, bool(zero_code), out)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _pack_rows(x, words, shift, magnitude, inf_key, codes, meta, row_bits, row_offset,
+               group_size, seed, base, stochastic, zero_code):  # pragma: no cover - jitted
+    t = x.dtype.type
+    per_row = x.size // row_bits.size // group_size  # groups per row
+    base_code = t(1) if zero_code else t(0)
+    for g in prange(meta.shape[0]):
+        row = g // per_row
+        bits = np.int64(row_bits[row])
+        levels = (1 << bits) - 1
+        group_bytes = group_size * bits // 8
+        at = row_offset[row] + (g - row * per_row) * group_bytes
+        start = g * group_size
+        xs = x[start:start + group_size]
+        out = codes[at:at + group_bytes]
+        mn, mx, bad = _min_max(words[start:start + group_size], shift, magnitude, inf_key,
+                               zero_code)
+        lo_word, scale_word, lo64, scale64 = _group_meta(
+            np.nan if bad else mn, mx, float(levels - zero_code), zero_code)
+        meta[g, 0] = lo_word
+        meta[g, 1] = scale_word
+        if lo_word == layout.NAN16:
+            out[:] = 0
+            continue
+        scale = t(scale64)
+        inv = t(1) / scale if scale > 0 else scale
+        _pack_group(xs, out, t(lo64), inv, base_code, t(levels), zero_code, seed, base + start,
+                    stochastic, group_size, bits)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _unpack_rows(codes, meta, row_bits, row_offset, group_size, zero_code,
+                 y):  # pragma: no cover - jitted
+    t = y.dtype.type
+    per_row = y.size // row_bits.size // group_size
+    for g in prange(meta.shape[0]):
+        row = g // per_row
+        bits = np.int64(row_bits[row])
+        group_bytes = group_size * bits // 8
+        at = row_offset[row] + (g - row * per_row) * group_bytes
+        lo64, scale64 = _meta_values(meta[g, 0], meta[g, 1])
+        lo = t(lo64)
+        scale = t(scale64)
+        ys = y[g * group_size:(g + 1) * group_size]
+        src = codes[at:at + group_bytes]
+        if bits == 1:
+            _unpack_bytes(src, ys, lo, scale, zero_code, 1, 8, 1)
+        elif bits == 2:
+            _unpack_bytes(src, ys, lo, scale, zero_code, 3, 4, 2)
+        elif bits == 4:
+            _unpack_bytes(src, ys, lo, scale, zero_code, 15, 2, 4)
+        else:
+            _unpack_bytes(src, ys, lo, scale, zero_code, 255, 1, 8)
+
+
+def pack_rows(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, row_bits: np.ndarray,
+              row_offset: np.ndarray, group_size: int, seed: int, base: int = 0,
+              stochastic: bool = True, zero_code: bool = False) -> None:
+    """Pack 1-D ``x`` made of ``row_bits.size`` rows of whole groups, row ``r`` at
+    ``row_bits[r]`` bits, its codes at byte ``row_offset[r]`` of ``codes``. Each row's bytes
+    and metadata are those :func:`pack` gives the whole of ``x`` at that row's width."""
+    if x.size:
+        view, shift, magnitude, inf_key = _BITS[x.dtype]
+        _pack_rows(x, x.view(view), shift, magnitude, inf_key, codes, meta, row_bits,
+                   row_offset, group_size, np.int64(seed), np.int64(base), bool(stochastic),
+                   bool(zero_code))
+
+
+def unpack_rows(codes: np.ndarray, meta: np.ndarray, row_bits: np.ndarray,
+                row_offset: np.ndarray, group_size: int, out: np.ndarray,
+                zero_code: bool = False) -> None:
+    """Fill 1-D ``out`` from what :func:`pack_rows` wrote."""
+    if out.size:
+        _unpack_rows(codes, meta, row_bits, row_offset, group_size, bool(zero_code), out)

@@ -13,7 +13,7 @@ import actune
 from actune import autoprec, zoo
 from actune.autoprec import CHOICES, AutoPrecision, allocate, objective
 from actune.levels import get_level, parse_levels
-from actune.quant import dequantize_samples, quantize_samples
+from actune.quant import PackedRows, PackedSamples, dequantize_samples, quantize_samples
 
 
 def brute_force(costs, numel, avg_bits, min_bits, quartic=None):
@@ -89,14 +89,21 @@ def test_levels_from_average_bits():
         get_level("9b")
 
 
-def test_per_sample_packing_gives_each_sample_its_bits():
+@pytest.mark.parametrize("channels", [4, 3])  # 256 per sample: packed in place; 192: gathered
+def test_per_sample_packing_gives_each_sample_its_bits(channels):
     torch.manual_seed(0)
-    x = torch.randn(6, 4, 8, 8) * torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.25]).view(6, 1, 1, 1)
+    scale = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.25]).view(6, 1, 1, 1)
+    x = torch.randn(6, channels, 8, 8) * scale
     packed = quantize_samples(x, ((8, 2), (2, 4)))
-    widths = {int(idx_part.numel()): part.bits for idx_part, part in packed.parts}
-    assert widths == {2: 8, 4: 2}
-    # the two largest samples (by norm) got 8 bits
-    assert sorted(packed.parts[0][0].tolist()) == [0, 1]
+    if channels == 4:
+        assert isinstance(packed, PackedRows)
+        assert packed.row_bits.tolist() == [8, 8, 2, 2, 2, 2]  # the two largest got 8 bits
+        assert packed.nbytes < x.nbytes
+    else:
+        assert isinstance(packed, PackedSamples)
+        widths = {int(idx.numel()): part.bits for idx, part in packed.parts}
+        assert widths == {2: 8, 4: 2}
+        assert sorted(packed.parts[0][0].tolist()) == [0, 1]
     y = dequantize_samples(packed)
     assert y.shape == x.shape
     err = (y - x).flatten(1).abs().amax(1) / x.flatten(1).abs().amax(1)
@@ -107,6 +114,38 @@ def test_per_sample_packing_gives_each_sample_its_bits():
     assert ((mean - x).norm() / x.norm()) < 0.02
     with pytest.raises(ValueError, match="runs cover"):
         quantize_samples(x, ((2, 5),))
+
+
+def test_rows_kernel_writes_the_bytes_of_uniform_packing_row_by_row():
+    from actune_kernels import cpu
+
+    rng = np.random.default_rng(0)
+    n, m, group = 8, 1024, 256
+    x = (rng.standard_normal(n * m) * np.repeat(np.logspace(-2, 2, n), m)).astype(np.float32)
+    x[5 * m:5 * m + 300] = np.maximum(x[5 * m:5 * m + 300], 0)
+    row_bits = np.array([1, 2, 4, 8, 2, 1, 8, 4], np.uint8)
+    for zero_code in (False, True):
+        bits_used = np.maximum(row_bits, 2) if zero_code else row_bits
+        sizes = bits_used.astype(np.int64) * m // 8
+        offsets = np.cumsum(sizes) - sizes
+        src = np.abs(x) if zero_code else x
+        codes = np.zeros(int(sizes.sum()), np.uint8)
+        meta = np.zeros((n * m // group, 2), np.uint16)
+        cpu.pack_rows(src, codes, meta, bits_used, offsets, group, 7, 3, True, zero_code)
+        for b in (1, 2, 4, 8):
+            if zero_code and b == 1:
+                continue
+            whole = np.zeros(n * m * b // 8, np.uint8)
+            whole_meta = np.zeros((n * m // group, 2), np.uint16)
+            cpu.pack(src, whole, whole_meta, b, group, 7, 3, True, zero_code)
+            for r in np.flatnonzero(bits_used == b):
+                span = slice(r * m * b // 8, (r + 1) * m * b // 8)
+                assert (whole[span] == codes[offsets[r]:offsets[r] + m * b // 8]).all()
+                rows = slice(r * m // group, (r + 1) * m // group)
+                assert (whole_meta[rows] == meta[rows]).all()
+        out = np.empty_like(src)
+        cpu.unpack_rows(codes, meta, bits_used, offsets, group, out, zero_code)
+        assert (out[src == 0] == 0).all() if zero_code else True
 
 
 def _steps(model, ap_or_none, steps, x, y):
