@@ -359,6 +359,9 @@ class PackedMask:
 def pack_mask(mask: torch.Tensor) -> PackedMask:
     """Pack a boolean tensor into 1 bit per element."""
     flat = mask.detach().reshape(-1)
+    if flat.device.type == "cpu" and _plain(flat):  # NumPy's packbits: one pass, same layout
+        return PackedMask(torch.from_numpy(np.packbits(flat.numpy(), bitorder="little")),
+                          mask.shape)
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
@@ -369,9 +372,12 @@ def pack_mask(mask: torch.Tensor) -> PackedMask:
 
 def unpack_mask(p: PackedMask) -> torch.Tensor:
     """The boolean tensor ``p`` was packed from."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=p.bits8.device)
     n = 1
     for d in p.shape:
         n *= d
+    if p.bits8.device.type == "cpu" and _plain(p.bits8):
+        bits = np.unpackbits(p.bits8.numpy(), count=n, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_)).view(p.shape)
+    shifts = torch.arange(8, dtype=torch.uint8, device=p.bits8.device)
     bits = ((p.bits8.unsqueeze(1) >> shifts) & 1).view(-1)[:n]
     return bits.view(p.shape).bool()
