@@ -173,12 +173,13 @@ class AutoPrecision:
     Attach it to a run with ``actune.compress(model, "2b")`` (which makes one, see
     :func:`actune.autoprec_of`) or ``actune.compressed(level, autoprec=ap)``. Slots are the
     compressed tensors of a step in the order they are saved; ``per_sample`` lets samples of
-    one tensor get different bits (tensors whose dim 0 is the batch).
+    one tensor get different bits (tensors whose dim 0 is the batch; off by default: on the
+    models measured in docs/benchmarks.md it changed the variance by 1% at 3-4% of the step).
     """
 
     avg_bits: float = 2.0
     every: int = 50
-    per_sample: bool = True
+    per_sample: bool = False
     steps: int = 0
     reallocations: int = 0
     slots: list[_Slot] = field(default_factory=list)

@@ -263,6 +263,8 @@ def train(
     resolution: Resolution = None,
     every: Annotated[int, typer.Option(min=0, help="Steps between bit re-allocations "
                                        "(mixed-precision levels).")] = 50,
+    per_sample: Annotated[bool, typer.Option("--per-sample", help="Mixed-precision levels "
+                                             "choose bits per sample too.")] = False,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -294,6 +296,7 @@ def train(
                 for r in run_train(lambda: work.model(**sizes), data, lv, epochs=epochs,
                                    seed=seed, batch_size=batch, loss_fn=work.loss,
                                    make_optimizer=work.optimizer, every=every,
+                                   per_sample=per_sample,
                                    on_step=(lambda: bar.advance(task)) if bar else None,
                                    keep=lambda _m, ap, name=lv.name: allocators.__setitem__(
                                        name, ap)):
@@ -381,6 +384,8 @@ def numerics(
     seed: Annotated[int, typer.Option(help="Seed of the weights and the batches.")] = 0,
     layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Show each layer.")]
     = True,
+    per_sample: Annotated[bool, typer.Option("--per-sample", help="Mixed-precision levels "
+                                             "choose bits per sample too.")] = False,
     json_path: JsonOpt = None,
     debug: Debug = False,
 ) -> None:
@@ -408,7 +413,8 @@ def numerics(
         net = work.model(**sizes)
         with console.status("measuring") as status:
             results = measure(net, data, level_list, batch=batch, repeats=repeats,
-                              draws=draws, seed=seed, loss_fn=work.loss,
+                              draws=draws, seed=seed, per_sample=per_sample,
+                              loss_fn=work.loss,
                               on_progress=lambda name: status.update(f"measuring {name}"))
         title = (f"actune numerics: {work.name}, batch {batch}, {repeats} rounding seeds, "
                  f"SGD variance over {draws} minibatches")

@@ -120,7 +120,8 @@ def is_compressed(module: nn.Module) -> bool:
     return any(hasattr(m, _LEVEL_ATTR) for m in module.modules())
 
 
-def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50) -> nn.Module:
+def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50,
+             per_sample: bool = False) -> nn.Module:
     """Convert ``model``'s supported layers in place to compressed counterparts; returns it.
 
     Works before or after ``.to(device)``; converting again just sets the new level;
@@ -128,7 +129,8 @@ def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50) ->
     ``forward`` (outside the layers) are not covered here: wrap the step in
     :func:`actune.compressed` for those. A mixed-precision level (``"2b"``, ``"1.25b"``)
     attaches an :class:`~actune.autoprec.AutoPrecision` (see :func:`autoprec_of`); each
-    forward pass in training mode is one step of it.
+    forward pass in training mode is one step of it, ``every`` steps between allocations,
+    ``per_sample`` bits per sample too.
     """
     lv = get_level(level)
     if lv.exact:
@@ -137,9 +139,10 @@ def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50) ->
     if lv.avg_bits is None:
         model.__dict__.pop(_AUTOPREC_ATTR, None)
     elif ap is None or ap.avg_bits != lv.avg_bits:
-        model.__dict__[_AUTOPREC_ATTR] = AutoPrecision(lv.avg_bits, every=every)
-    elif every != ap.every:
-        ap.every = every
+        model.__dict__[_AUTOPREC_ATTR] = AutoPrecision(lv.avg_bits, every=every,
+                                                       per_sample=per_sample)
+    else:
+        ap.every, ap.per_sample = every, per_sample
     for module in model.modules():
         base = _base_class(module)
         if _supported(base) is None:

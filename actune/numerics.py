@@ -115,7 +115,7 @@ def sgd_variance(model: nn.Module, data: Dataset, batch: int, draws: int, seed: 
 
 
 def measure(model: nn.Module, data: Dataset, levels: list[Level], *, batch: int = 64,
-            repeats: int = 16, draws: int = 16, seed: int = 0,
+            repeats: int = 16, draws: int = 16, seed: int = 0, per_sample: bool = False,
             loss_fn: Callable = nn.functional.cross_entropy,
             on_progress: Callable[[str], None] | None = None) -> list[LevelNumerics]:
     """Bias and variance of the gradient at each level, for ``model`` as it is (a copy is
@@ -134,7 +134,7 @@ def measure(model: nn.Module, data: Dataset, levels: list[Level], *, batch: int 
     for level in levels:
         if on_progress:
             on_progress(level.name)
-        net = compress(copy.deepcopy(base), level, every=0)
+        net = compress(copy.deepcopy(base), level, every=0, per_sample=per_sample)
         ap = autoprec_of(net)
         if ap is not None:  # one statistics step on this batch, then the bits stay fixed
             torch.manual_seed(seed)

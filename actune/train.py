@@ -51,16 +51,17 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 
 def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, epochs: int,
           seed: int, batch_size: int = 64, loss_fn: Callable = nn.functional.cross_entropy,
-          make_optimizer: Callable | None = None, every: int = 50,
+          make_optimizer: Callable | None = None, every: int = 50, per_sample: bool = False,
           on_step: Callable[[], None] | None = None,
           keep: Callable[[nn.Module, AutoPrecision | None], None] | None = None,
           ) -> Iterator[EpochResult]:
     """Train a fresh model (built after ``torch.manual_seed(seed)``) at ``level``; yields one
-    :class:`EpochResult` per epoch. ``every``: steps between re-allocations (mixed-precision
-    levels). ``keep`` is called with the model and its allocator at the end."""
+    :class:`EpochResult` per epoch. ``every``: steps between re-allocations and ``per_sample``:
+    bits per sample too (mixed-precision levels). ``keep`` is called with the model and its
+    allocator at the end."""
     torch.manual_seed(seed)
     model = build_model()
-    compress(model, level, every=every)
+    compress(model, level, every=every, per_sample=per_sample)
     model.train()
     optimizer = (make_optimizer or _default_optimizer)(model.parameters())
     order = torch.Generator().manual_seed(seed)

@@ -10,7 +10,7 @@ resized to 3 x 32 x 32), at initialisation, batch 64:
 * the allocator's cost: steady-state step time of 2b against L3, and the statistics step
   (one in ``every``) amortised, as a share of L3's step time (rounds interleaved).
 
-    python benchmarks/variance.py [--repeats 16] [--draws 16] [--every 50]
+    python benchmarks/variance.py [--repeats 16] [--draws 16] [--every 50] [--per-sample]
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ def models():
            digits(32, 3))
 
 
-def variance_table(repeats: int, draws: int, console: Console) -> None:
+def variance_table(repeats: int, draws: int, console: Console, per_sample: bool) -> None:
     table = Table(title=f"quantization variance of the gradient, batch 64, {repeats} seeds; "
-                  f"SGD variance over {draws} batches", title_justify="left")
+                  f"SGD variance over {draws} batches; bits per sample: {per_sample}",
+                  title_justify="left")
     for col in ("model", "level", "bits", "quant. variance", "model estimate", "SGD variance",
                 "quant / SGD", "uniform / allocated", "bias (floor)"):
         table.add_column(col, justify="left" if col in ("model", "level") else "right")
@@ -49,7 +50,8 @@ def variance_table(repeats: int, draws: int, console: Console) -> None:
         torch.manual_seed(0)
         net = factory()
         levels = [get_level(n) for pair in PAIRS for n in pair]
-        res = {r.level: r for r in measure(net, data, levels, repeats=repeats, draws=draws)}
+        res = {r.level: r for r in measure(net, data, levels, repeats=repeats, draws=draws,
+                                           per_sample=per_sample)}
         for uniform, mixed in PAIRS:
             for lv in (uniform, mixed):
                 r = res[lv]
@@ -64,9 +66,10 @@ def variance_table(repeats: int, draws: int, console: Console) -> None:
     console.print(table)
 
 
-def step_times(level: str, every: int, steps: int, x, y) -> list[float]:
+def step_times(level: str, every: int, steps: int, x, y, per_sample: bool) -> list[float]:
     torch.manual_seed(0)
-    model = actune.compress(zoo.MODELS["resnet18"].factory(resolution=32), level, every=every)
+    model = actune.compress(zoo.MODELS["resnet18"].factory(resolution=32), level, every=every,
+                            per_sample=per_sample)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     out = []
     for _ in range(steps):
@@ -79,7 +82,7 @@ def step_times(level: str, every: int, steps: int, x, y) -> list[float]:
     return out
 
 
-def cost_table(every: int, rounds: int, console: Console) -> None:
+def cost_table(every: int, rounds: int, console: Console, per_sample: bool) -> None:
     data = digits(32, 3)
     x, y = data.x_train[:64], data.y_train[:64]
     steady = {"L3": [], "2b": []}
@@ -87,15 +90,15 @@ def cost_table(every: int, rounds: int, console: Console) -> None:
     for _ in range(rounds):  # interleaved: the machine's drift hits both alike
         for lv in ("L3", "2b"):
             # every=3: statistics on steps 1, 4, 7; steps 2-3 and 5-6 are ordinary ones
-            times = step_times(lv, 3, 7, x, y)
+            times = step_times(lv, 3, 7, x, y, per_sample)
             steady[lv] += [times[i] for i in (2, 4, 5)]
             if lv == "2b":
                 stat.append(times[3])  # step 4: a statistics step with allocated bits
     l3, mixed = statistics.median(steady["L3"]), statistics.median(steady["2b"])
     extra_stat = statistics.median(stat) - mixed
     share = (mixed - l3 + extra_stat / every) / l3
-    table = Table(title=f"allocator cost, resnet18 32x32 batch 64 ({rounds} interleaved rounds)",
-                  title_justify="left")
+    table = Table(title=f"allocator cost, resnet18 32x32 batch 64 ({rounds} interleaved rounds, "
+                  f"bits per sample: {per_sample})", title_justify="left")
     for col in ("L3 step", "2b step", "statistics step", "extra per step (every "
                 f"{every})", "share of L3's step"):
         table.add_column(col, justify="right")
@@ -110,12 +113,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=16)
     parser.add_argument("--draws", type=int, default=16)
     parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--per-sample", action="store_true", help="bits per sample too")
     args = parser.parse_args()
     console = Console(width=140)
     t0 = time.perf_counter()
-    variance_table(args.repeats, args.draws, console)
-    cost_table(args.every, args.rounds, console)
+    variance_table(args.repeats, args.draws, console, args.per_sample)
+    cost_table(args.every, args.rounds, console, args.per_sample)
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

@@ -163,7 +163,7 @@ def _steps(model, ap_or_none, steps, x, y):
 def test_allocator_learns_keeps_the_budget_and_survives_state_dict():
     torch.manual_seed(0)
     model = zoo.tiny_cnn()
-    actune.compress(model, "1.25b", every=3)
+    actune.compress(model, "1.25b", every=3, per_sample=True)
     ap = actune.autoprec_of(model)
     assert isinstance(ap, AutoPrecision) and ap.avg_bits == 1.25
     x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
@@ -191,7 +191,7 @@ def test_per_sample_bits_are_used_in_training_steps():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
                                 torch.nn.Linear(256, 10))
-    actune.compress(model, "2b", every=2)
+    actune.compress(model, "2b", every=2, per_sample=True)
     ap = actune.autoprec_of(model)
     # very different samples (one quantization group each): the large ones get more bits
     x = torch.randn(64, 256) * torch.logspace(-2, 2, 64).unsqueeze(1)
