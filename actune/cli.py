@@ -265,18 +265,26 @@ def train(
                                        "(mixed-precision levels).")] = 50,
     per_sample: Annotated[bool, typer.Option("--per-sample", help="Mixed-precision levels "
                                              "choose bits per sample too.")] = False,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda. Default: cuda when torch "
+                                               "sees a GPU.", show_default=False)] = None,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
     """Train on real data at each level, side by side: loss, accuracy and time per epoch
     (default: a small CNN on scikit-learn's digits, which ship offline)."""
+    import torch
+
     from actune.levels import parse_levels
     from actune.report import write_json
     from actune.train import train as run_train
     from actune.tune import workload as wl
 
     with _errors(debug):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+            raise _UsageError(f"--device {device}: use cpu" + (
+                " or cuda" if torch.cuda.is_available() else " (torch sees no CUDA device)"))
         work = wl.load(model_file) if model_file is not None else wl.builtin(model)
         level_list = parse_levels(levels)
         try:
@@ -296,7 +304,7 @@ def train(
                 for r in run_train(lambda: work.model(**sizes), data, lv, epochs=epochs,
                                    seed=seed, batch_size=batch, loss_fn=work.loss,
                                    make_optimizer=work.optimizer, every=every,
-                                   per_sample=per_sample,
+                                   per_sample=per_sample, device=device,
                                    on_step=(lambda: bar.advance(task)) if bar else None,
                                    keep=lambda _m, ap, name=lv.name: allocators.__setitem__(
                                        name, ap)):

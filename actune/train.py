@@ -38,13 +38,14 @@ class EpochResult:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512) -> float:
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512,
+             device: str | torch.device = "cpu") -> float:
     """Fraction of ``x`` classified as ``y`` (evaluation mode, no compression needed)."""
     was = model.training
     model.eval()
     right = 0
     for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
-        right += int((model(xb).argmax(1) == yb).sum())
+        right += int((model(xb.to(device)).argmax(1) == yb.to(device)).sum())
     model.train(was)
     return right / len(y)
 
@@ -52,6 +53,7 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, epochs: int,
           seed: int, batch_size: int = 64, loss_fn: Callable = nn.functional.cross_entropy,
           make_optimizer: Callable | None = None, every: int = 50, per_sample: bool = False,
+          device: str | torch.device = "cpu",
           on_step: Callable[[], None] | None = None,
           keep: Callable[[nn.Module, AutoPrecision | None], None] | None = None,
           ) -> Iterator[EpochResult]:
@@ -60,7 +62,7 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
     bits per sample too (mixed-precision levels). ``keep`` is called with the model and its
     allocator at the end."""
     torch.manual_seed(seed)
-    model = build_model()
+    model = build_model().to(device)
     compress(model, level, every=every, per_sample=per_sample)
     model.train()
     optimizer = (make_optimizer or _default_optimizer)(model.parameters())
@@ -71,19 +73,22 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
         total_loss = 0.0
         right = seen = 0
         for xb, yb in data.batches(batch_size, order):
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             out = model(xb)
             loss = loss_fn(out, yb)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            total_loss += float(loss.detach()) * len(yb)
-            right += int((out.detach().argmax(1) == yb).sum())
+            # summed on the device: one transfer per epoch, not per step
+            total_loss = total_loss + loss.detach() * len(yb)
+            right = right + (out.detach().argmax(1) == yb).sum()
             seen += len(yb)
             if on_step is not None:
                 on_step()
+        total_loss, right = float(total_loss), int(right)
         seconds = time.perf_counter() - start
         yield EpochResult(level.name, epoch, total_loss / seen, right / seen,
-                          accuracy(model, data.x_test, data.y_test), seconds,
+                          accuracy(model, data.x_test, data.y_test, device=device), seconds,
                           ap.mean_bits if ap is not None and ap.reallocations else None)
     if keep is not None:
         keep(model, ap)

@@ -5,7 +5,8 @@
 # 2. kernel throughput against torch clone on the GPU;
 # 3. actune maxbatch --mode measure at L0 and L3 on ResNet-50 (real OOMs, subprocess probes);
 # 4. estimated against measured peak per level;
-# 5. bench L0-L5.
+# 5. bench L0-L5;
+# 6. training on digits at L0, L3 and mixed precision on the GPU (allocator statistics there).
 set -euo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT}
 mkdir -p "$out"
@@ -60,3 +61,5 @@ for name, level in LEVELS.items():
 PY
 actune bench --model resnet50 --resolution 224 --batch 64 --levels L0-L5 \
   --json "$out/bench.json" | tee "$out/bench.txt"
+actune train --device cuda --levels L0,L3,2b,1.25b --epochs 3 --every 10 \
+  --json "$out/train.json" | tee "$out/train.txt"

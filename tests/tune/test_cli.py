@@ -169,6 +169,7 @@ def test_train_from_a_model_file_with_its_own_dataset(tmp_path):
     (("train", "--model", "transformer"), "has no dataset"),
     (("train", "--levels", "L3,9b"), "within [1, 8]"),
     (("numerics", "--levels", "L0"), "compressing level"),
+    (("train", "--device", "tpu"), "--device tpu: use cpu"),
 ])
 def test_train_and_numerics_bad_input(args, message):
     result = run(*args)
