@@ -1,9 +1,12 @@
 """How well the allocator's cost estimate matches the variance each tensor really adds.
 
-For every compressed tensor (slot) of one training step: the allocator's estimate of the
-variance it adds at one bit (C + Q; a ReLU output, which needs 2 bits, at 2 bits, scaled by 9)
-against the variance measured with that tensor alone at that width and every other at 8 bits,
-across rounding seeds, on one batch of 64 digits at initialisation.
+For every compressed tensor (slot) of one training step, on one batch of 64 digits at
+initialisation: the variance it adds alone (every other tensor at 8 bits), across rounding
+seeds, at its two narrowest widths (1 and 2 bits; a ReLU output, which needs 2, at 2 and 4).
+The two give its measured costs C and Q (variance = C / B**2 + Q / B**4, B = 2**bits - 1),
+set against the allocator's estimates. Then, at 2 and 4 bits on average, the variance (by the
+measured costs) of uniform bits, of the allocation the measured costs give (the best an
+allocator of whole tensors can reach), and of the allocation the estimates give.
 
     python benchmarks/autoprec_estimate.py [--model tinycnn|resnet18] [--repeats 4]
 """
@@ -20,6 +23,7 @@ from rich.table import Table
 
 import actune
 from actune import zoo
+from actune.autoprec import allocate, objective
 from actune.data import digits
 from actune.numerics import _grads, _layers, _no_dropout
 
@@ -43,32 +47,55 @@ def main() -> None:
     for _ in range(2):  # a statistics step, then one that allocates from it
         model.load_state_dict(state)
         _grads(model, F.cross_entropy, x, y, names)
-    table = Table(title=f"{args.model}: estimated vs measured variance per tensor at its "
-                  f"narrowest width ({args.repeats} seeds)", title_justify="left")
-    for col in ("slot", "shape", "bits", "estimate", "measured", "measured / estimate"):
-        table.add_column(col, justify="left" if col == "shape" else "right")
     allocated = [s.bits.copy() for s in ap.slots]
-    for i, s in enumerate(ap.slots):
-        if not s.bits.any():
-            continue  # kept as a mask: adds nothing
-        low = s.min_bits
+
+    def alone(slot, bits: int) -> float:
         for t in ap.slots:
             if t.bits.any():
                 t.bits[:] = 8
-        s.bits[:] = low
+        slot.bits[:] = bits
         grads = []
         for r in range(args.repeats):
             model.load_state_dict(state)
             torch.manual_seed(r)
             grads.append(_grads(model, F.cross_entropy, x, y, names))
-        scale = (2**low - 1) ** 2  # back to one bit's 1 / B**2
-        measured = float(torch.stack(grads).var(0).sum()) * scale
-        estimate = float(s.cost.sum() + s.quartic.sum() / scale)
-        table.add_row(str(i), s.label, str(low), f"{estimate:.4g}", f"{measured:.4g}",
-                      f"{measured / estimate:.2f}" if estimate else "-")
         for t, b in zip(ap.slots, allocated, strict=True):
             t.bits = b.copy()
-    Console(width=120).print(table)
+        return float(torch.stack(grads).var(0).sum())
+
+    table = Table(title=f"{args.model}: costs per tensor, estimated and measured ({args.repeats} "
+                  f"seeds)", title_justify="left")
+    for col in ("slot", "shape", "C estimated", "C measured", "Q estimated", "Q measured",
+                "variance at its narrowest width, measured / estimated"):
+        table.add_column(col, justify="left" if col == "shape" else "right")
+    rows = []
+    for i, s in enumerate(ap.slots):
+        if not s.bits.any():
+            continue  # kept as a mask: adds nothing
+        b1, b2 = (1, 2) if s.min_bits == 1 else (2, 4)
+        v1, v2 = alone(s, b1), alone(s, b2)
+        n1, n2 = 1 / (2**b1 - 1) ** 2, 1 / (2**b2 - 1) ** 2
+        # v = C n + Q n**2 at both widths
+        q = max((v1 * n2 - v2 * n1) / (n1 * n1 * n2 - n2 * n2 * n1), 0.0)
+        c = max((v1 - q * n1 * n1) / n1, 0.0)
+        est_c, est_q = float(s.cost.sum()), float(s.quartic.sum())
+        est_v = est_c * n1 + est_q * n1 * n1
+        rows.append((s, c, q, est_c, est_q))
+        table.add_row(str(i), s.label, f"{est_c:.4g}", f"{c:.4g}", f"{est_q:.4g}", f"{q:.4g}",
+                      f"{v1 / est_v:.2f}" if est_v else "-")
+    Console(width=130).print(table)
+    costs = [r[1] for r in rows]
+    quartic = [r[2] for r in rows]
+    numel = [r[0].per_sample_numel for r in rows]
+    lo = [r[0].min_bits for r in rows]
+    for avg in (2.0, 4.0):
+        uniform = objective(costs, [max(int(avg), b) for b in lo], quartic)
+        best = objective(costs, allocate(costs, numel, avg, lo, quartic), quartic)
+        estimated = objective(costs, allocate([r[3] for r in rows], numel, avg, lo,
+                                              [r[4] for r in rows]), quartic)
+        print(f"{avg:g} bits on average, variance by the measured costs: uniform {uniform:.4g}; "
+              f"allocated from the measured costs {best:.4g} ({uniform / best:.2f}x); from the "
+              f"estimates {estimated:.4g} ({uniform / estimated:.2f}x)")
 
 
 if __name__ == "__main__":
