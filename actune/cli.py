@@ -36,6 +36,8 @@ JsonOpt = Annotated[Path | None, typer.Option(
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no table "
                                      "(use with --json).")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+PerSample = Annotated[bool, typer.Option("--per-sample", help="Mixed-precision levels choose "
+                                         "bits per sample too.")]
 Resolution = Annotated[int | None, typer.Option(help="Input resolution (images) or sequence "
                                                 "length (tokens).", show_default=False)]
 
@@ -263,8 +265,7 @@ def train(
     resolution: Resolution = None,
     every: Annotated[int, typer.Option(min=0, help="Steps between bit re-allocations "
                                        "(mixed-precision levels).")] = 50,
-    per_sample: Annotated[bool, typer.Option("--per-sample", help="Mixed-precision levels "
-                                             "choose bits per sample too.")] = False,
+    per_sample: PerSample = False,
     device: Annotated[str | None, typer.Option(help="cpu or cuda. Default: cuda when torch "
                                                "sees a GPU.", show_default=False)] = None,
     json_path: JsonOpt = None,
@@ -392,8 +393,7 @@ def numerics(
     seed: Annotated[int, typer.Option(help="Seed of the weights and the batches.")] = 0,
     layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Show each layer.")]
     = True,
-    per_sample: Annotated[bool, typer.Option("--per-sample", help="Mixed-precision levels "
-                                             "choose bits per sample too.")] = False,
+    per_sample: PerSample = False,
     json_path: JsonOpt = None,
     debug: Debug = False,
 ) -> None:

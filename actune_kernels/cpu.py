@@ -148,32 +148,39 @@ def _pack_group(xs, out, lo, inv, base, top, zero_code, seed, idx0, stochastic, 
         _bytes_nearest(xs, out, *q, 1, 8)
 
 
+@numba.njit(inline="always")
+def _quantize_group(xs, ws, out, meta, g, shift, magnitude, inf_key, bits, group_size, seed,
+                    idx0, stochastic, zero_code):  # pragma: no cover - jitted
+    """Group ``g``: its metadata from its min and max, then its codes (zero for NaN/inf)."""
+    t = xs.dtype.type
+    levels = (1 << bits) - 1
+    mn, mx, bad = _min_max(ws, shift, magnitude, inf_key, zero_code)
+    lo_word, scale_word, lo64, scale64 = _group_meta(
+        np.nan if bad else mn, mx, float(levels - zero_code), zero_code)
+    meta[g, 0] = lo_word
+    meta[g, 1] = scale_word
+    if lo_word == layout.NAN16:
+        out[:] = 0
+        return
+    scale = t(scale64)
+    inv = t(1) / scale if scale > 0 else scale
+    base_code = t(1) if zero_code else t(0)  # zero-code mode: code 0 is an exact zero
+    _pack_group(xs, out, t(lo64), inv, base_code, t(levels), zero_code, seed, idx0,
+                stochastic, group_size, bits)
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _pack(x, words, shift, magnitude, inf_key, codes, meta, bits, group_size, seed, base,
           stochastic, zero_code):  # pragma: no cover - jitted
     n = x.size
-    t = x.dtype.type
-    levels = (1 << bits) - 1
-    top = t(levels)
-    base_code = t(1) if zero_code else t(0)  # zero-code mode: code 0 is an exact zero
     group_bytes = group_size * bits // 8
     for g in prange(meta.shape[0]):
         start = g * group_size
         stop = min(start + group_size, n)
-        xs = x[start:stop]
-        out = codes[g * group_bytes:(g + 1) * group_bytes]
-        mn, mx, bad = _min_max(words[start:stop], shift, magnitude, inf_key, zero_code)
-        lo_word, scale_word, lo64, scale64 = _group_meta(
-            np.nan if bad else mn, mx, float(levels - zero_code), zero_code)
-        meta[g, 0] = lo_word
-        meta[g, 1] = scale_word
-        if lo_word == layout.NAN16:
-            out[:] = 0
-            continue
-        scale = t(scale64)
-        inv = t(1) / scale if scale > 0 else scale
-        _pack_group(xs, out, t(lo64), inv, base_code, top, zero_code, seed, base + start,
-                    stochastic, group_size, bits)
+        _quantize_group(x[start:stop], words[start:stop],
+                        codes[g * group_bytes:(g + 1) * group_bytes], meta, g, shift,
+                        magnitude, inf_key, bits, group_size, seed, base + start, stochastic,
+                        zero_code)
 
 
 @numba.njit(inline="always")
@@ -191,6 +198,19 @@ def _unpack_bytes(src, ys, lo, scale, zero_code, mask, per, bits):  # pragma: no
         byte = src[k]
         for j in range(per):
             ys[k * per + j] = _value((byte >> (bits * j)) & mask, lo, scale, zero_code, t)
+
+
+@numba.njit(inline="always")
+def _unpack_group(src, ys, lo, scale, zero_code, bits):  # pragma: no cover - jitted
+    """A whole group's values, with the byte loop specialised per width."""
+    if bits == 1:
+        _unpack_bytes(src, ys, lo, scale, zero_code, 1, 8, 1)
+    elif bits == 2:
+        _unpack_bytes(src, ys, lo, scale, zero_code, 3, 4, 2)
+    elif bits == 4:
+        _unpack_bytes(src, ys, lo, scale, zero_code, 15, 2, 4)
+    else:
+        _unpack_bytes(src, ys, lo, scale, zero_code, 255, 1, 8)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -211,14 +231,8 @@ def _unpack(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover - 
             for i in range(ys.size):
                 q = (src[i // per] >> ((i % per) * bits)) & mask
                 ys[i] = _value(q, lo, scale, zero_code, t)
-        elif bits == 1:
-            _unpack_bytes(src, ys, lo, scale, zero_code, 1, 8, 1)
-        elif bits == 2:
-            _unpack_bytes(src, ys, lo, scale, zero_code, 3, 4, 2)
-        elif bits == 4:
-            _unpack_bytes(src, ys, lo, scale, zero_code, 15, 2, 4)
         else:
-            _unpack_bytes(src, ys, lo, scale, zero_code, 255, 1, 8)
+            _unpack_group(src, ys, lo, scale, zero_code, bits)
 
 
 def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
@@ -244,31 +258,16 @@ def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _pack_rows(x, words, shift, magnitude, inf_key, codes, meta, row_bits, row_offset,
                group_size, seed, base, stochastic, zero_code):  # pragma: no cover - jitted
-    t = x.dtype.type
     per_row = x.size // row_bits.size // group_size  # groups per row
-    base_code = t(1) if zero_code else t(0)
     for g in prange(meta.shape[0]):
         row = g // per_row
         bits = np.int64(row_bits[row])
-        levels = (1 << bits) - 1
         group_bytes = group_size * bits // 8
         at = row_offset[row] + (g - row * per_row) * group_bytes
         start = g * group_size
-        xs = x[start:start + group_size]
-        out = codes[at:at + group_bytes]
-        mn, mx, bad = _min_max(words[start:start + group_size], shift, magnitude, inf_key,
-                               zero_code)
-        lo_word, scale_word, lo64, scale64 = _group_meta(
-            np.nan if bad else mn, mx, float(levels - zero_code), zero_code)
-        meta[g, 0] = lo_word
-        meta[g, 1] = scale_word
-        if lo_word == layout.NAN16:
-            out[:] = 0
-            continue
-        scale = t(scale64)
-        inv = t(1) / scale if scale > 0 else scale
-        _pack_group(xs, out, t(lo64), inv, base_code, t(levels), zero_code, seed, base + start,
-                    stochastic, group_size, bits)
+        _quantize_group(x[start:start + group_size], words[start:start + group_size],
+                        codes[at:at + group_bytes], meta, g, shift, magnitude, inf_key, bits,
+                        group_size, seed, base + start, stochastic, zero_code)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -284,16 +283,8 @@ def _unpack_rows(codes, meta, row_bits, row_offset, group_size, zero_code,
         lo64, scale64 = _meta_values(meta[g, 0], meta[g, 1])
         lo = t(lo64)
         scale = t(scale64)
-        ys = y[g * group_size:(g + 1) * group_size]
-        src = codes[at:at + group_bytes]
-        if bits == 1:
-            _unpack_bytes(src, ys, lo, scale, zero_code, 1, 8, 1)
-        elif bits == 2:
-            _unpack_bytes(src, ys, lo, scale, zero_code, 3, 4, 2)
-        elif bits == 4:
-            _unpack_bytes(src, ys, lo, scale, zero_code, 15, 2, 4)
-        else:
-            _unpack_bytes(src, ys, lo, scale, zero_code, 255, 1, 8)
+        _unpack_group(codes[at:at + group_bytes], y[g * group_size:(g + 1) * group_size], lo,
+                      scale, zero_code, bits)
 
 
 def pack_rows(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, row_bits: np.ndarray,
