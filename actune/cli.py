@@ -515,6 +515,8 @@ def info(debug: Debug = False) -> None:
         table.add_row("python", platform.python_version())
         table.add_row("levels", "; ".join(f"{lv.name}: {lv.description}"
                                           for lv in LEVELS.values()))
+        table.add_row("mixed precision", "levels named by their average bits (2b, 1.25b, any "
+                      "from 1 to 8): L3 with bits allocated where the gradient is sensitive")
         console.print(table)
 
 
