@@ -259,6 +259,8 @@ class _Session:
         self.stats = CompressionStats()
         self.autoprec: AutoPrecision | None = None
         self.touched: list[int] | None = None  # allocator slots read by the op being run
+        self.only_shape: torch.Size | None = None  # a norm: only tensors of its input's shape
+        self.references: tuple = ()  # a norm's other tensor arguments (buffers): references
         self.last_matmul = None  # statistics steps: the last matmul call (output, func, args)
         self._exit: contextlib.ExitStack | None = None
 
@@ -281,8 +283,8 @@ class _Session:
     # -- hooks ---------------------------------------------------------------------------
 
     def pack_hook(self, t: torch.Tensor) -> object:
-        if _is_parameter_like(t):
-            return t  # a reference to a parameter: not an activation, costs nothing
+        if _is_parameter_like(t) or any(t is r for r in self.references):
+            return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.count(t)
         level = self.level
         if t.dtype == torch.bool:
@@ -292,6 +294,8 @@ class _Session:
         bits = self.bits_for(self.kind)
         if bits is None or not t.is_floating_point() or t.numel() < level.min_numel:
             return self._keep(t, new)
+        if self.only_shape is not None and t.shape != self.only_shape:
+            return self._keep(t, new)  # a norm's own statistics (mean, rstd): kept exact
         if self.allocator() is not None:
             return self._pack_allocated(t, self.kind)
         return self._pack(t, bits, self.kind,
@@ -857,11 +861,18 @@ class _FunctionMode(TorchFunctionMode):
         if replaced is not None:
             return replaced
         kind = _MATMUL if func in _MATMUL_FUNCS else _OTHER if func in _OTHER_FUNCS else None
-        previous, s.kind = s.kind, kind
+        # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
+        # the tensor of the input's shape, may be rounded
+        only, refs = None, ()
+        if func in _NORMS and isinstance(args[0], torch.Tensor):
+            only = args[0].shape  # and its weight, bias and running statistics: references
+            refs = tuple(a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor))
+        previous = s.kind, s.only_shape, s.references
+        s.kind, s.only_shape, s.references = kind, only, refs
         try:
             return func(*args, **kwargs)
         finally:
-            s.kind = previous
+            s.kind, s.only_shape, s.references = previous
 
     def _replace(self, func, args, kwargs, level: Level):
         s = self.s

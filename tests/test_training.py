@@ -155,11 +155,12 @@ def _op_cases():
         "tanh": (torch.tanh, (16, 64)),
         "linear_weight_grad": (lambda t: F.linear(t, w).square(), (16, 64)),
         "matmul": (lambda t: (t @ t.transpose(-1, -2)).square(), (16, 64)),
-        "layer_norm": (lambda t: F.layer_norm(t, (64,)).square(), (16, 64)),
+        # norms: the input is made a non-leaf (a leaf's saved input stays a reference)
+        "layer_norm": (lambda t: F.layer_norm(t * 1.0, (64,)).square(), (16, 64)),
         # norms' backward is quadratic in the saved input: a bias of order (quantization
         # variance) / (elements reduced over), invisible at the sizes of real layers (here
         # 1024 per channel); with 16 it shows (see docs/training.md)
-        "batch_norm": (lambda t: F.batch_norm(t, None, None, training=True).square(),
+        "batch_norm": (lambda t: F.batch_norm(t * 1.0, None, None, training=True).square(),
                        (16, 4, 8, 8)),
         "conv": (lambda t: F.conv2d(t, conv_w, padding=1).square(), (4, 4, 8, 8)),
     }
@@ -456,3 +457,17 @@ def test_what_goes_wrong_without_the_safe_behaviour():
         two.append(y1 * (g - (g * y2).sum(-1, keepdim=True)))
     assert shrinks_like_noise(torch.stack(one), exact, small=8, large=512) > 0.2  # biased
     assert shrinks_like_noise(torch.stack(two), exact, small=8, large=512) < 0.2  # unbiased
+
+
+def test_norm_statistics_stay_exact_and_only_the_input_is_rounded():
+    # layer norm saves its input and its per-token mean and rstd; with 1024 tokens those are
+    # large enough to be packed, but the backward reads them nonlinearly: they stay exact
+    x = torch.randn(16, 64, 64, requires_grad=True) * 1.0  # an activation, not a leaf
+    w = torch.ones(64, requires_grad=True)
+    seen = []
+    with actune.compressed("L3", stats=seen.append):
+        y = F.layer_norm(x, (64,), w)
+    (y * torch.randn_like(y)).sum().backward()
+    stats = seen[0]
+    assert stats.packed == 1 and stats.kept == 2
+    assert stats.by_kind["exact"] == 2 * 16 * 64 * 4  # mean and rstd, float32
