@@ -416,7 +416,10 @@ def _ddp_worker(rank: int, world: int, path: str, out: str) -> None:
     torch.distributed.all_gather(gathered, flat)
     if rank == 0:
         torch.save(gathered, out)
-    torch.distributed.destroy_process_group()
+    torch.distributed.barrier()  # rank 0 has written the result
+    # gloo's teardown (destroy_process_group, or its threads at interpreter exit) hangs or
+    # aborts a rank now and then: leave without it, the work being done and checked
+    os._exit(0)
 
 
 def test_distributed_data_parallel_ranks_stay_in_sync():
