@@ -158,7 +158,8 @@ class _Slot:
     # gathered on a statistics step, on the device
     noise: torch.Tensor | None = None  # per-sample rounding noise at one bit
     direct: torch.Tensor | None = None  # per sample: sum of fan_in * |grad|^2 over matmuls
-    relayed: list = field(default_factory=list)  # (position, per-sample share of |grad|^2)
+    # relayed noise, per relaying op: [position, linear, second-order, coherent] per sample
+    relayed: list = field(default_factory=list)
     score: torch.Tensor | None = None  # per-sample norm: the rank a sample gets in forward
 
     @property
@@ -266,10 +267,12 @@ class AutoPrecision:
         or ``relayed`` to the weight gradients of every matmul before it in the forward pass.
         A matmul gives ``size`` (``fan_in * mean(x**2)``): times ``|grad|**2`` it is how large
         its weight gradient is, which relayed noise perturbs. A batch norm gives ``norm``
-        (its weight, the dims of its statistics): its input's noise reaches the input gradient
-        only through ``x_hat * mean(grad * x_hat)``, so the relayed share is scaled by the
-        squared correlation of grad and ``x_hat`` per channel (read off the weight's gradient)
-        plus ``1 / M`` (M elements per channel)."""
+        (its weight, the dims of its statistics, and the per-channel coherent factor or None):
+        its input's noise reaches the input gradient through ``eps_hat * mean(grad * x_hat)``
+        (the relayed share scaled by the squared correlation of grad and ``x_hat``, read off
+        the weight's gradient, plus ``1 / M``), through the noise times itself (second order),
+        and through ``x_hat * mean(grad * eps_hat)``, shared by a channel's elements
+        (coherent); see docs/autoprec.md."""
         if not (self._collecting and output.requires_grad and type(output) is torch.Tensor):
             return
         position = self._position
