@@ -14,28 +14,41 @@ from numba import prange
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _to_offsets(idx, out, in_w, out_h, out_w, kw, sy, sx, py, px, dy, dx):  # pragma: no cover
-    plane = out_h * out_w
+    # the argmax lies in its window: idx = (y0 + ky) * in_w + (x0 + kx) with 0 <= kx < span,
+    # so when a window row is narrower than the input, one division by in_w splits it
+    narrow = (kw - 1) * dx < in_w
+    unit = dy == 1 and dx == 1
     for p in prange(idx.shape[0]):
-        for j in range(plane):
-            oy = j // out_w
-            ox = j - oy * out_w
-            i = idx[p, j]
-            iy = i // in_w
-            ix = i - iy * in_w
-            out[p, j] = ((iy - (oy * sy - py)) // dy) * kw + (ix - (ox * sx - px)) // dx
+        for oy in range(out_h):
+            y0 = oy * sy - py
+            for ox in range(out_w):
+                j = oy * out_w + ox
+                x0 = ox * sx - px
+                i = idx[p, j]
+                if narrow:
+                    rel = i - (y0 * in_w + x0)
+                    ky = rel // in_w
+                    kx = rel - ky * in_w
+                else:
+                    iy = i // in_w
+                    ky = iy - y0
+                    kx = i - iy * in_w - x0
+                out[p, j] = ky * kw + kx if unit else (ky // dy) * kw + kx // dx
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _to_indices(off, out, in_w, out_h, out_w, kw, sy, sx, py, px, dy, dx):  # pragma: no cover
-    plane = out_h * out_w
+    # an offset's distance from its window's top-left corner, in input elements, by table
+    step = np.empty(256, dtype=np.int64)
+    for o in range(256):
+        ky = o // kw
+        step[o] = ky * dy * in_w + (o - ky * kw) * dx
     for p in prange(off.shape[0]):
-        for j in range(plane):
-            oy = j // out_w
-            ox = j - oy * out_w
-            o = np.int64(off[p, j])
-            ky = o // kw
-            kx = o - ky * kw
-            out[p, j] = (oy * sy - py + ky * dy) * in_w + (ox * sx - px + kx * dx)
+        for oy in range(out_h):
+            row = (oy * sy - py) * in_w - px
+            for ox in range(out_w):
+                j = oy * out_w + ox
+                out[p, j] = row + ox * sx + step[off[p, j]]
 
 
 def offsets_2d(indices: np.ndarray, out: np.ndarray, in_w: int, kernel, stride, padding,

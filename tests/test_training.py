@@ -474,3 +474,22 @@ def test_norm_statistics_stay_exact_and_only_the_input_is_rounded():
     stats = seen[0]
     assert stats.packed == 1 and stats.kept == 2
     assert stats.by_kind["exact"] == 2 * 16 * 64 * 4  # mean and rstd, float32
+
+
+@pytest.mark.parametrize(("size", "kernel", "stride", "padding", "dilation"), [
+    ((17, 17), (3, 3), (2, 2), (1, 1), (1, 1)),
+    ((9, 12), (2, 3), (1, 2), (1, 1), (2, 1)),
+    ((3, 2), (3, 3), (1, 1), (1, 1), (1, 1)),  # a window row as wide as the input
+    ((2, 3), (3, 3), (1, 1), (1, 1), (1, 2)),  # wider: decomposed through coordinates
+    ((8, 8), (2, 2), (2, 2), (0, 0), (1, 1)),
+])
+def test_max_pool_offsets_round_trip_to_pytorchs_indices(size, kernel, stride, padding,
+                                                         dilation):
+    from actune.hooks import _indices_from_offsets, _window_offsets
+
+    x = torch.randn(3, 5, *size, generator=torch.Generator().manual_seed(1))
+    _, idx = F.max_pool2d(x, kernel, stride, padding, dilation, return_indices=True)
+    offsets, spatial = _window_offsets(idx, x.shape[-2:], kernel, stride, padding, dilation)
+    assert offsets.dtype == torch.uint8 and int(offsets.max()) < kernel[0] * kernel[1]
+    back = _indices_from_offsets(offsets, spatial, kernel, stride, padding, dilation)
+    assert torch.equal(back, idx)
