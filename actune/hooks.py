@@ -364,31 +364,30 @@ class _Session:
         if found is not None and isinstance(found.packed, PackedMask):
             found = None  # kept as a mask only (no reader at the last statistics step)
         if found is None:
-            found = self._hold(self._new(self._quantize_planned(t, False)), kind)
-            found.slot = self._last_slot
+            packed, slot = self._quantize_planned(t, False)
+            found = self._hold(self._new(packed), kind)
+            found.slot = slot
             self._remember(t, _ALLOCATED, found)
         self._touch(found.slot)
         return found
 
-    def _quantize_planned(self, t: torch.Tensor, zero_code: bool):
+    def _quantize_planned(self, t: torch.Tensor, zero_code: bool) -> tuple[object, int]:
+        """Pack ``t`` as the allocator plans its next slot; returns the packed form and slot."""
         ap = self.autoprec
         plan: Plan = ap.plan(t, zero_code)
-        self._last_slot = plan.slot
         group = self.level.group_size
         if plan.bits == 0:
-            return pack_mask(t > 0)
+            return pack_mask(t > 0), plan.slot
         if plan.by_rank:
             packed = quantize_samples(t, plan.by_rank, group_size=group, zero_code=zero_code)
         else:
             packed = quantize(t, plan.bits, group_size=group, zero_code=zero_code)
         ap.observe(plan, packed, t)
-        return packed
+        return packed, plan.slot
 
     def _touch(self, slot: int | None) -> None:
         if self.touched is not None and slot is not None:
             self.touched.append(slot)
-
-    _last_slot: int | None = None
 
     def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> _Saved:
         found = self._cached((*_storage_key(t), bits))
@@ -408,8 +407,9 @@ class _Session:
         function marks it dirty, which bumps its version once more after forward). ``reads``:
         this op's backward reads the rounded values (not only its exact zeros)."""
         if self.allocator() is not None:
-            saved = self._hold(self._new(self._quantize_planned(t, zero_code)), kind, replaces)
-            saved.slot = self._last_slot
+            packed, slot = self._quantize_planned(t, zero_code)
+            saved = self._hold(self._new(packed), kind, replaces)
+            saved.slot = slot
             if reads:
                 self._touch(saved.slot)
             if share_as is not None:
