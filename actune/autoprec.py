@@ -225,7 +225,7 @@ class AutoPrecision:
         if collect:
             self._fresh.append(_Slot(f"{tuple(t.shape)}", t.numel(), samples, min_bits))
         known = self.slots[slot] if slot < len(self.slots) else None
-        if known is None or known.bits is None or known.numel // known.samples != (
+        if known is None or known.bits is None or known.per_sample_numel != (
                 t.numel() // samples) or known.min_bits != min_bits:
             return Plan(slot, self._default(min_bits), samples, collect=collect)
         ranks = known.bits
@@ -235,8 +235,7 @@ class AutoPrecision:
             if samples > 1:
                 ranks = ranks[(np.arange(samples) * known.samples) // samples]
             else:  # one item now: the widest width within the samples' mean
-                mean = float(known.bits.mean())
-                ranks = np.array([max(max(b for b in CHOICES if b <= max(mean, 1)), min_bits)])
+                ranks = np.array([_widest(float(known.bits.mean()), min_bits)])
         runs = _runs(ranks)
         if len(runs) == 1:
             return Plan(slot, runs[0][0], samples, collect=collect)
@@ -325,8 +324,7 @@ class AutoPrecision:
         return n
 
     def _default(self, min_bits: int) -> int:
-        fit = [b for b in CHOICES if b <= self.avg_bits]
-        return max(fit[-1], min_bits)
+        return _widest(self.avg_bits, min_bits)
 
     def _fold(self) -> None:
         """Estimate each slot's cost from the statistics step (one transfer to the host):
@@ -490,16 +488,22 @@ def rounding_noise(packed: PackedTensor | PackedSamples | PackedRows, samples: i
         for idx, part in packed.parts:
             out.index_copy_(0, idx, rounding_noise(part, idx.numel()))
         return out
-    if isinstance(packed, PackedRows):
-        levels = (2 ** packed.row_bits.to(torch.int64) - 1 - int(packed.zero_code)).float()
-        steps = group_steps(packed).view(samples, -1)
-        return ((steps * levels.unsqueeze(1)).square() * (packed.group_size / 6.0)).sum(1)
-    levels = 2**packed.bits - 1 - int(packed.zero_code)
-    per_group = (group_steps(packed) * levels).square() * (packed.group_size / 6.0)
-    numel = packed.numel()
+    steps = group_steps(packed)
+    if isinstance(packed, PackedRows):  # each row (sample) at its own width
+        row_levels = (2 ** packed.row_bits.to(torch.int64) - 1 - int(packed.zero_code)).float()
+        levels = row_levels.repeat_interleave(steps.numel() // row_levels.numel())
+    else:
+        levels = 2**packed.bits - 1 - int(packed.zero_code)
+    per_group = (steps * levels).square() * (packed.group_size / 6.0)
+    numel = math.prod(packed.shape)
     if samples > 1 and (numel // samples) % packed.group_size == 0:
         return per_group.view(samples, -1).sum(1)
     return (per_group.sum() / samples).expand(samples)
+
+
+def _widest(bits: float, min_bits: int = 1) -> int:
+    """The widest packable width not above ``bits`` (at least ``min_bits``)."""
+    return max(max((b for b in CHOICES if b <= bits), default=CHOICES[0]), min_bits)
 
 
 def _non_increasing(values: np.ndarray) -> np.ndarray:

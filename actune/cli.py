@@ -64,16 +64,32 @@ def _errors(debug: bool):
         raise typer.Exit(2) from None
 
 
+def _workload(model_file: Path | None, model: str):
+    """The model file's workload, or the built-in model's."""
+    from actune.tune import workload as wl
+
+    return wl.load(model_file) if model_file is not None else wl.builtin(model)
+
+
+def _data(work, resolution: int | None):
+    """The workload's dataset and the model sizes that go with ``resolution``."""
+    try:
+        data = work.dataset(resolution)
+    except ImportError as err:  # scikit-learn, for the built-in digits
+        raise _UsageError(str(err)) from None
+    return data, ({"resolution": resolution} if resolution and "resolution" in work.dims
+                  else {})
+
+
 def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
            mode: str | None):
     import torch
 
     from actune.levels import parse_levels
     from actune.memory import parse_budget, probe
-    from actune.tune import workload as wl
     from actune.tune.run import Settings
 
-    workload = wl.load(model_file) if model_file is not None else wl.builtin(model)
+    workload = _workload(model_file, model)
     level_list = parse_levels(levels)
     info = probe()
     cuda = info.available and torch.cuda.is_available()
@@ -279,20 +295,15 @@ def train(
     from actune.levels import parse_levels
     from actune.report import write_json
     from actune.train import train as run_train
-    from actune.tune import workload as wl
 
     with _errors(debug):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
             raise _UsageError(f"--device {device}: use cpu" + (
                 " or cuda" if torch.cuda.is_available() else " (torch sees no CUDA device)"))
-        work = wl.load(model_file) if model_file is not None else wl.builtin(model)
+        work = _workload(model_file, model)
         level_list = parse_levels(levels)
-        try:
-            data = work.dataset(resolution)
-        except ImportError as err:
-            raise _UsageError(str(err)) from None
-        sizes = {"resolution": resolution} if resolution and "resolution" in work.dims else {}
+        data, sizes = _data(work, resolution)
         steps = -(-len(data.x_train) // batch) * epochs * len(level_list)
         results: dict[str, list] = {lv.name: [] for lv in level_list}
         allocators = {}
@@ -404,19 +415,14 @@ def numerics(
     from actune.levels import parse_levels
     from actune.numerics import measure
     from actune.report import write_json
-    from actune.tune import workload as wl
 
     with _errors(debug):
-        work = wl.load(model_file) if model_file is not None else wl.builtin(model)
+        work = _workload(model_file, model)
         level_list = [lv for lv in parse_levels(levels) if not lv.exact]
         if not level_list:
             raise _UsageError("--levels: give at least one compressing level (L0 is the "
                               "exact reference every level is measured against)")
-        try:
-            data = work.dataset(resolution)
-        except ImportError as err:
-            raise _UsageError(str(err)) from None
-        sizes = {"resolution": resolution} if resolution and "resolution" in work.dims else {}
+        data, sizes = _data(work, resolution)
         torch.manual_seed(seed)
         net = work.model(**sizes)
         with console.status("measuring") as status:
@@ -465,11 +471,10 @@ def summary(
     import torch
 
     import actune
-    from actune.tune import workload as wl
 
     with _errors(debug):
         lv = actune.get_level(level)
-        work = wl.load(model_file) if model_file is not None else wl.builtin(model)
+        work = _workload(model_file, model)
         with torch.device("meta"):  # structure only: no memory for the weights
             net = actune.compress(work.model(), lv)
         table = Table(title=f"actune.compress({work.name}, {lv.name})", title_justify="left")

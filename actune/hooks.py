@@ -283,7 +283,7 @@ class _Session:
     # -- hooks ---------------------------------------------------------------------------
 
     def pack_hook(self, t: torch.Tensor) -> object:
-        if _is_parameter_like(t) or any(t is r for r in self.references):
+        if _is_parameter_like(t) or (self.references and any(t is r for r in self.references)):
             return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.count(t)
         level = self.level
@@ -813,12 +813,9 @@ class _FunctionMode(TorchFunctionMode):
             out = self._run(func, args, kwargs)
         finally:
             touched, s.touched = s.touched, outer
-        if touched or func in _MATMUL_FUNCS:
-            first = out if isinstance(out, torch.Tensor) else next(
-                (o for o in out if isinstance(o, torch.Tensor)), None) if isinstance(
-                out, tuple | list) else None
-            if first is not None:
-                self._watch(ap, touched, first, func, args, kwargs)
+        first = _first_tensor(out)
+        if first is not None and (touched or func in _MATMUL_FUNCS):
+            self._watch(ap, touched, first, func, args, kwargs)
         return out
 
     def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
@@ -1017,6 +1014,15 @@ def _fan_in(func, args, kwargs) -> float:
     if func in _MATMUL_FUNCS and isinstance(args[0], torch.Tensor) and args[0].dim():
         return int(args[0].shape[-1])
     return 1
+
+
+def _first_tensor(out) -> torch.Tensor | None:
+    """``out`` if it is a tensor, else the first tensor of a tuple or list of outputs."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple | list):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return None
 
 
 def _arg(args, kwargs, i, name, default):
