@@ -144,6 +144,7 @@ class Plan:
     samples: int = 1
     by_rank: tuple[tuple[int, int], ...] = ()
     collect: bool = False
+    weight: torch.Tensor | None = field(default=None, compare=False)  # per-sample rank weight
 
 
 @dataclass
@@ -174,8 +175,10 @@ class AutoPrecision:
     Attach it to a run with ``actune.compress(model, "2b")`` (which makes one, see
     :func:`actune.autoprec_of`) or ``actune.compressed(level, autoprec=ap)``. Slots are the
     compressed tensors of a step in the order they are saved; ``per_sample`` lets samples of
-    one tensor get different bits (tensors whose dim 0 is the batch; off by default: on the
-    models measured in docs/benchmarks.md it changed the variance by 1% at 3-4% of the step).
+    one tensor get different bits (tensors whose dim 0 is the batch). Samples are ranked in
+    forward by their norm, times the gradient size remembered for them when the training loop
+    names them (:meth:`samples`, as ActNN does): once a model has learned something, a few
+    samples carry most of the gradient, and they get the wide widths. Off by default.
     """
 
     avg_bits: float = 2.0
@@ -190,6 +193,14 @@ class AutoPrecision:
     _batch: int | None = field(default=None, repr=False)
     _position: int = field(default=0, repr=False)
     _sizes: list = field(default_factory=list, repr=False)
+    #: per dataset sample: the mean square of its gradient (at the first op's output) when it
+    #: was last seen, halved towards each new value (0: never seen)
+    sensitivity: torch.Tensor | None = field(default=None, repr=False)
+    _ids: torch.Tensor | None = field(default=None, repr=False)
+    _next_ids: torch.Tensor | None = field(default=None, repr=False)
+    _weight: torch.Tensor | None = field(default=None, repr=False)
+    _tracked: bool = field(default=False, repr=False)
+    _force: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if not CHOICES[0] <= self.avg_bits <= CHOICES[-1]:
@@ -204,14 +215,68 @@ class AutoPrecision:
         if self._fresh:
             self._fold()
         self._collecting = self.every > 0 and self.steps % self.every == 0
-        if self.steps == 0:
-            self._collecting = True
+        if self.steps == 0 or self._force:
+            self._collecting, self._force = True, False
         self.steps += 1
         self._cursor = 0
         self._position = 0
         self._sizes = []
         self._batch = None
         self._fresh = []
+        self._ids, self._next_ids = self._next_ids, None
+        self._weight, self._tracked = None, False
+
+    def samples(self, ids: torch.Tensor | Sequence[int]) -> None:
+        """Name the samples of the next step's batch: their indices in the dataset, in batch
+        order (on the CPU, as a data loader has them; nothing waits). With ``per_sample``,
+        the gradient each sample receives is remembered (:attr:`sensitivity`) and weighs its
+        rank the next time it comes."""
+        self._next_ids = torch.as_tensor(ids, device="cpu").reshape(-1).long()
+
+    @property
+    def tracking(self) -> bool:
+        """True while this step's named samples still need their gradient recorded."""
+        return self.per_sample and self._ids is not None and not self._tracked
+
+    def track(self, output: torch.Tensor | None) -> None:
+        """Record each named sample's gradient at ``output`` (the first op output of the step
+        with one row per sample), on the device."""
+        ids = self._ids
+        if (output is None or ids is None or type(output) is not torch.Tensor
+                or not output.requires_grad or output.dim() < 1
+                or output.shape[0] != ids.numel()):
+            return
+        self._tracked = True
+        table = self._table(output.device, int(ids.max()) + 1)
+        at = ids.to(output.device, non_blocking=True)
+
+        def hook(grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                g2 = grad.detach().float().reshape(grad.shape[0], -1).square().mean(1)
+                old = table[at]
+                table[at] = torch.where(old > 0, 0.5 * (old + g2), g2)
+
+        output.register_hook(hook)
+
+    def _table(self, device: torch.device, size: int) -> torch.Tensor:
+        table = self.sensitivity
+        if table is None or table.device != device:
+            table = torch.zeros(0, device=device) if table is None else table.to(device)
+        if table.numel() < size:
+            table = torch.cat([table, table.new_zeros(size - table.numel())])
+        self.sensitivity = table
+        return table
+
+    def _sample_weight(self, device: torch.device) -> torch.Tensor | None:
+        """This step's per-sample rank weight: the root of each named sample's remembered
+        gradient size (the mean of the known ones for samples never seen), or None."""
+        if self._weight is None and self._ids is not None and self.sensitivity is not None:
+            table = self._table(device, int(self._ids.max()) + 1)
+            s = table[self._ids.to(device, non_blocking=True)]
+            known = (s > 0).sum()
+            fill = torch.where(known > 0, s.sum() / known.clamp_min(1), 1.0)
+            self._weight = torch.where(s > 0, s, fill).sqrt()
+        return self._weight
 
     def plan(self, t: torch.Tensor, zero_code: bool = False) -> Plan:
         """How to pack the next compressed tensor of this step."""
@@ -225,9 +290,12 @@ class AutoPrecision:
         if collect:
             self._fresh.append(_Slot(f"{tuple(t.shape)}", t.numel(), samples, min_bits))
         known = self.slots[slot] if slot < len(self.slots) else None
+        weight = self._sample_weight(t.device) if samples > 1 else None
+        if weight is not None and weight.numel() != samples:
+            weight = None
         if known is None or known.bits is None or known.per_sample_numel != (
                 t.numel() // samples) or known.min_bits != min_bits:
-            return Plan(slot, self._default(min_bits), samples, collect=collect)
+            return Plan(slot, self._default(min_bits), samples, collect=collect, weight=weight)
         ranks = known.bits
         if not ranks.any():  # zeros are all its readers need: a 1-bit mask
             return Plan(slot, 0, samples, collect=collect)
@@ -238,8 +306,12 @@ class AutoPrecision:
                 ranks = np.array([_widest(float(known.bits.mean()), min_bits)])
         runs = _runs(ranks)
         if len(runs) == 1:
-            return Plan(slot, runs[0][0], samples, collect=collect)
-        return Plan(slot, runs[0][0], samples, tuple(runs), collect=collect)
+            return Plan(slot, runs[0][0], samples, collect=collect, weight=weight)
+        return Plan(slot, runs[0][0], samples, tuple(runs), collect=collect, weight=weight)
+
+    def collect_next(self) -> None:
+        """Make the next step a statistics step (and reallocate after it)."""
+        self._force = True
 
     @property
     def collecting(self) -> bool:
@@ -249,13 +321,15 @@ class AutoPrecision:
     def observe(self, plan: Plan, packed: PackedTensor | PackedSamples | PackedRows,
                 t: torch.Tensor | None = None) -> None:
         """Record the rounding noise of the tensor ``t`` packed for ``plan`` (statistics
-        steps), and the norm of each of its samples, by which samples are ranked."""
+        steps), and the key by which its samples are ranked (norm, times the plan's weight)."""
         if plan.collect and plan.slot < len(self._fresh):
             slot = self._fresh[plan.slot]
             slot.noise = rounding_noise(packed, plan.samples)
             if plan.samples > 1 and t is not None:
                 slot.score = torch.linalg.vector_norm(t.detach().reshape(plan.samples, -1),
                                                       dim=1, dtype=torch.float32)
+                if plan.weight is not None:
+                    slot.score = slot.score * plan.weight
 
     def watch(self, slots: Sequence[int], output: torch.Tensor,
               factor: float | torch.Tensor, *, relayed: bool,
@@ -365,8 +439,9 @@ class AutoPrecision:
                 at += 3 * k
             sigma2 = noise / s.per_sample_numel
             cost, quartic = sigma2 * weight, sigma2 * sigma2 * quad
-            # by the rank forward gives a sample (its norm; the gradient is not known yet),
-            # as the expected cost at each rank: a non-increasing fit
+            # by the rank forward gives a sample (its norm, times its remembered gradient
+            # size; this step's gradient is not known yet), as the expected cost at each
+            # rank: a non-increasing fit
             order = np.argsort(-score, kind="stable")
             s.cost, s.quartic = _non_increasing(cost[order]), _non_increasing(quartic[order])
             s.noise, s.direct, s.relayed, s.score = None, None, [], None
@@ -436,6 +511,7 @@ class AutoPrecision:
         """Everything needed to resume: settings, counters, and each slot's estimate and bits."""
         return {"avg_bits": self.avg_bits, "every": self.every, "per_sample": self.per_sample,
                 "steps": self.steps, "reallocations": self.reallocations,
+                "sensitivity": None if self.sensitivity is None else self.sensitivity.cpu(),
                 "slots": [{"label": s.label, "numel": s.numel, "samples": s.samples,
                            "min_bits": s.min_bits,
                            "cost": None if s.cost is None else s.cost.tolist(),
@@ -450,6 +526,8 @@ class AutoPrecision:
         self.per_sample = bool(state["per_sample"])
         self.steps = int(state["steps"])
         self.reallocations = int(state["reallocations"])
+        table = state.get("sensitivity")
+        self.sensitivity = None if table is None else torch.as_tensor(table, dtype=torch.float32)
         self.slots = [_Slot(d["label"], int(d["numel"]), int(d["samples"]), int(d["min_bits"]),
                             None if d["cost"] is None else np.asarray(d["cost"], np.float64),
                             None if d.get("quartic") is None else np.asarray(d["quartic"],

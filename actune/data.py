@@ -30,10 +30,14 @@ class Dataset:
                 raise ValueError(f"dataset {self.name!r}: the {split} split has {len(x)} inputs "
                                  f"and {len(y)} targets; both must be equal and non-zero")
 
+    def batch_indices(self, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
+        """Indices into the training split, shuffled, in batches (the last may be smaller)."""
+        return list(torch.randperm(len(self.x_train), generator=generator).split(batch_size))
+
     def batches(self, batch_size: int, generator: torch.Generator) -> list[tuple]:
         """The training split in shuffled batches (the last one may be smaller)."""
-        order = torch.randperm(len(self.x_train), generator=generator)
-        return [(self.x_train[i], self.y_train[i]) for i in order.split(batch_size)]
+        return [(self.x_train[i], self.y_train[i])
+                for i in self.batch_indices(batch_size, generator)]
 
 
 def digits(resolution: int = 8, channels: int = 1, test_fraction: float = 0.2) -> Dataset:

@@ -379,7 +379,8 @@ class _Session:
         if plan.bits == 0:
             return pack_mask(t > 0), plan.slot
         if plan.by_rank:
-            packed = quantize_samples(t, plan.by_rank, group_size=group, zero_code=zero_code)
+            packed = quantize_samples(t, plan.by_rank, group_size=group, zero_code=zero_code,
+                                      weight=plan.weight)
         else:
             packed = quantize(t, plan.bits, group_size=group, zero_code=zero_code)
         ap.observe(plan, packed, t)
@@ -806,7 +807,10 @@ class _FunctionMode(TorchFunctionMode):
         s = self.s
         ap = s.allocator()
         if ap is None or not ap.collecting:
-            return self._run(func, args, kwargs)
+            out = self._run(func, args, kwargs)
+            if ap is not None and ap.tracking:
+                ap.track(_first_tensor(out))
+            return out
         # a statistics step: the gradient of this op's output weighs the slots it reads
         outer, s.touched = s.touched, []
         try:
@@ -816,6 +820,8 @@ class _FunctionMode(TorchFunctionMode):
         first = _first_tensor(out)
         if first is not None and (touched or func in _MATMUL_FUNCS):
             self._watch(ap, touched, first, func, args, kwargs)
+        if ap.tracking:
+            ap.track(first)
         return out
 
     def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,

@@ -13,7 +13,9 @@ the same step at a level is then repeated with ``repeats`` different rounding se
 
 Dropout is switched off while measuring, so that only the rounding varies between repeats.
 Mixed-precision levels are measured at the bits their allocator chose after one statistics
-step on the measured batch; with ``uniform`` set they are also measured at uniform bits.
+step on the measured batch. With bits per sample, the allocator knows each training sample's
+gradient size as a training run would have remembered it (``sensitivity``; by default
+measured at the model's state with one pass over the training split).
 """
 
 from __future__ import annotations
@@ -116,10 +118,13 @@ def sgd_variance(model: nn.Module, data: Dataset, batch: int, draws: int, seed: 
 
 def measure(model: nn.Module, data: Dataset, levels: list[Level], *, batch: int = 64,
             repeats: int = 16, draws: int = 16, seed: int = 0, per_sample: bool = False,
+            sensitivity: torch.Tensor | None = None,
             loss_fn: Callable = nn.functional.cross_entropy,
             on_progress: Callable[[str], None] | None = None) -> list[LevelNumerics]:
     """Bias and variance of the gradient at each level, for ``model`` as it is (a copy is
-    used; its weights are not changed) on a batch of ``batch`` training samples."""
+    used; its weights are not changed) on a batch of ``batch`` training samples.
+    ``sensitivity``: per training sample, the gradient sizes a training run's allocator
+    remembered (:attr:`AutoPrecision.sensitivity`), for bits per sample."""
     base = decompress(copy.deepcopy(model))
     base.train()
     _no_dropout(base)
@@ -136,13 +141,22 @@ def measure(model: nn.Module, data: Dataset, levels: list[Level], *, batch: int 
             on_progress(level.name)
         net = compress(copy.deepcopy(base), level, every=0, per_sample=per_sample)
         ap = autoprec_of(net)
+        named = ap is not None and per_sample
+        if named:
+            _remember(net, ap, data, batch, sensitivity, loss_fn, names)
+            net.load_state_dict(state)
         if ap is not None:  # one statistics step on this batch, then the bits stay fixed
             torch.manual_seed(seed)
+            if named:
+                ap.samples(idx)
+            ap.collect_next()
             _grads(net, loss_fn, x, y, names)
         samples = []
         for r in range(repeats):
             net.load_state_dict(state)
             torch.manual_seed(seed * 100_003 + r)
+            if named:
+                ap.samples(idx)
             samples.append(_grads(net, loss_fn, x, y, names))
         g = torch.stack(samples)
         mean, var = g.mean(0), g.var(0)
@@ -160,3 +174,15 @@ def measure(model: nn.Module, data: Dataset, levels: list[Level], *, batch: int 
             layers, ap.variance if ap is not None else None,
             ap.mean_bits if ap is not None else None))
     return out
+
+
+def _remember(net: nn.Module, ap, data: Dataset, batch: int, sensitivity: torch.Tensor | None,
+              loss_fn: Callable, names: list[str]) -> None:
+    """Give the allocator each training sample's gradient size: ``sensitivity`` if known,
+    else one pass over the training split at the model's state (weights unchanged)."""
+    if sensitivity is not None:
+        ap.sensitivity = sensitivity.detach().clone()
+        return
+    for ids in torch.arange(len(data.x_train)).split(batch):
+        ap.samples(ids)
+        _grads(net, loss_fn, data.x_train[ids], data.y_train[ids], names)

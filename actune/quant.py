@@ -277,10 +277,12 @@ class PackedRows:
 
 def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
                      group_size: int = layout.DEFAULT_GROUP_SIZE,
-                     zero_code: bool = False) -> PackedSamples | PackedRows:
+                     zero_code: bool = False,
+                     weight: torch.Tensor | None = None) -> PackedSamples | PackedRows:
     """Quantize the samples of ``x`` (dim 0) with different bits. Samples are ranked by their
-    norm, largest first; ``runs`` = ((bits, count), ...) gives the first ``count`` of them
-    ``bits``, the next run the next ones, and so on (the counts add up to the batch). All of
+    norm (times ``weight``, one factor per sample, if given), largest first; ``runs`` =
+    ((bits, count), ...) gives the first ``count`` of them ``bits``, the next run the next
+    ones, and so on (the counts add up to the batch). All of
     it stays on the device: nothing waits for the ranking. On the CPU, samples made of whole
     groups are packed in place (:class:`PackedRows`); otherwise each run is gathered and
     packed (:class:`PackedSamples`)."""
@@ -293,8 +295,10 @@ def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
     dense = _storage_order(x)
     per_sample = x.numel() // max(n, 1)
     rows = x.reshape(n, -1) if dense is None or x.is_contiguous() else dense.reshape(n, -1)
-    order = torch.argsort(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32),
-                          descending=True)
+    key = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+    if weight is not None:
+        key = key * weight.to(key.device, torch.float32)
+    order = torch.argsort(key, descending=True)
     in_place = (dense is not None and x.stride(0) == per_sample and per_sample % group_size == 0
                 and x.device.type == "cpu" and _plain(x) and x.dtype in _KERNEL_DTYPES)
     if not in_place:

@@ -59,7 +59,8 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
           ) -> Iterator[EpochResult]:
     """Train a fresh model (built after ``torch.manual_seed(seed)``) at ``level``; yields one
     :class:`EpochResult` per epoch. ``every``: steps between re-allocations and ``per_sample``:
-    bits per sample too (mixed-precision levels). ``keep`` is called with the model and its
+    bits per sample too (mixed-precision levels; the allocator is told each batch's sample
+    indices, see :meth:`AutoPrecision.samples`). ``keep`` is called with the model and its
     allocator at the end."""
     torch.manual_seed(seed)
     model = build_model().to(device)
@@ -72,8 +73,11 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
         start = time.perf_counter()
         total_loss = 0.0
         right = seen = 0
-        for xb, yb in data.batches(batch_size, order):
-            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+        for idx in data.batch_indices(batch_size, order):
+            xb = data.x_train[idx].to(device, non_blocking=True)
+            yb = data.y_train[idx].to(device, non_blocking=True)
+            if ap is not None and per_sample:
+                ap.samples(idx)  # which samples these are: their gradients are remembered
             out = model(xb)
             loss = loss_fn(out, yb)
             optimizer.zero_grad(set_to_none=True)

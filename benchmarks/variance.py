@@ -1,7 +1,9 @@
 """Gradient variance per level: the allocator against uniform bits, and against SGD's noise.
 
 For the tiny CNN on digits (8x8) and the built-in small ResNet (ResNet-18 at 32x32, digits
-resized to 3 x 32 x 32), at initialisation, batch 64:
+resized to 3 x 32 x 32), batch 64, at initialisation or (``--epochs E``) after E epochs of
+training at 2b with bits per sample (seed 0), whose allocator remembered each training
+sample's gradient size (used with ``--per-sample``, as ActNN does):
 
 * the variance quantization adds to the gradient (sum over parameters, across rounding
   seeds) at uniform bits (L3: 2 bits, L2: 4 bits) and with the allocator at the same
@@ -11,6 +13,7 @@ resized to 3 x 32 x 32), at initialisation, batch 64:
   (one in ``every``) amortised, as a share of L3's step time (rounds interleaved).
 
     python benchmarks/variance.py [--repeats 16] [--draws 16] [--every 50] [--per-sample]
+                                  [--epochs E] [--no-cost]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from actune import zoo
 from actune.data import digits
 from actune.levels import get_level
 from actune.numerics import measure
+from actune.train import train
 
 PAIRS = (("L3", "2b"), ("L2", "4b"))
 
@@ -39,19 +43,33 @@ def models():
            digits(32, 3))
 
 
-def variance_table(repeats: int, draws: int, console: Console, per_sample: bool) -> None:
-    table = Table(title=f"quantization variance of the gradient, batch 64, {repeats} seeds; "
-                  f"SGD variance over {draws} batches; bits per sample: {per_sample}",
+def trained(factory, data, epochs: int):
+    """The model after ``epochs`` at 2b with bits per sample, and what its allocator knows of
+    each training sample's gradient (None, None for 0 epochs)."""
+    if not epochs:
+        torch.manual_seed(0)
+        return factory(), None
+    kept = {}
+    for _ in train(factory, data, get_level("2b"), epochs=epochs, seed=0, per_sample=True,
+                   keep=lambda m, ap: kept.update(model=m, ap=ap)):
+        pass
+    return kept["model"], kept["ap"].sensitivity
+
+
+def variance_table(repeats: int, draws: int, console: Console, per_sample: bool,
+                   epochs: int) -> None:
+    state = f"after {epochs} epochs" if epochs else "at initialisation"
+    table = Table(title=f"quantization variance of the gradient, {state}, batch 64, {repeats} "
+                  f"seeds; SGD variance over {draws} batches; bits per sample: {per_sample}",
                   title_justify="left")
     for col in ("model", "level", "bits", "quant. variance", "model estimate", "SGD variance",
                 "quant / SGD", "uniform / allocated", "bias (floor)"):
         table.add_column(col, justify="left" if col in ("model", "level") else "right")
     for name, factory, data in models():
-        torch.manual_seed(0)
-        net = factory()
+        net, sensitivity = trained(factory, data, epochs)
         levels = [get_level(n) for pair in PAIRS for n in pair]
         res = {r.level: r for r in measure(net, data, levels, repeats=repeats, draws=draws,
-                                           per_sample=per_sample)}
+                                           per_sample=per_sample, sensitivity=sensitivity)}
         for uniform, mixed in PAIRS:
             for lv in (uniform, mixed):
                 r = res[lv]
@@ -115,11 +133,15 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--per-sample", action="store_true", help="bits per sample too")
+    parser.add_argument("--epochs", type=int, default=0,
+                        help="train this many epochs first (0: at initialisation)")
+    parser.add_argument("--no-cost", action="store_true", help="skip the step-time table")
     args = parser.parse_args()
     console = Console(width=140)
     t0 = time.perf_counter()
-    variance_table(args.repeats, args.draws, console, args.per_sample)
-    cost_table(args.every, args.rounds, console, args.per_sample)
+    variance_table(args.repeats, args.draws, console, args.per_sample, args.epochs)
+    if not args.no_cost:
+        cost_table(args.every, args.rounds, console, args.per_sample)
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

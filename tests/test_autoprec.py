@@ -232,3 +232,63 @@ def test_estimate_mode_runs_with_a_mixed_level():
         for _ in range(2):
             F.cross_entropy(model(x), y).backward()
     assert actune.autoprec_of(model).reallocations == 0  # no statistics from fake tensors
+
+
+def test_per_sample_ranking_follows_the_weight():
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, 8, 8)  # samples of about equal norm
+    weight = torch.tensor([1.0, 50.0, 1.0, 1.0])
+    for packed in (quantize_samples(x, ((8, 1), (1, 3)), weight=weight),
+                   quantize_samples(x[:, :3], ((8, 1), (1, 3)), weight=weight)):
+        y = dequantize_samples(packed)
+        ref = x if y.shape == x.shape else x[:, :3]
+        err = (y - ref).flatten(1).abs().amax(1)
+        assert int(err.argmin()) == 1 and err[1] < 0.1 * err[[0, 2, 3]].min()
+
+
+def test_named_samples_are_remembered_and_weigh_their_rank():
+    torch.manual_seed(0)
+    model = zoo.tiny_cnn()
+    actune.compress(model, "2b", every=0, per_sample=True)
+    ap = actune.autoprec_of(model)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    ids = torch.tensor([9, 3, 4, 5, 6, 7, 8, 2])
+    ap.samples(ids)
+    F.cross_entropy(model(x), y).backward()
+    table = ap.sensitivity
+    assert table is not None and table.numel() == 10
+    assert (table[ids] > 0).all() and (table[[0, 1]] == 0).all()  # only the named samples
+    first = table.clone()
+    ap.samples(ids)
+    F.cross_entropy(model(x * 2), y).backward()  # seen again: halved towards the new value
+    assert ((ap.sensitivity[ids] - first[ids]).abs() > 0).all()
+    # the next step ranks sample 0 (never seen: the mean of the known) and sample 9
+    ap.sensitivity = torch.zeros(10)
+    ap.sensitivity[9], ap.sensitivity[3] = 100.0, 4.0
+    ap.samples([9, 3, 0])
+    ap.begin_step()
+    plan = ap.plan(torch.randn(3, 256))
+    assert plan.weight.tolist() == pytest.approx([10.0, 2.0, 52.0 ** 0.5])
+    state = ap.state_dict()
+    again = AutoPrecision()
+    again.load_state_dict(state)
+    assert torch.equal(again.sensitivity, ap.sensitivity)
+
+
+def test_named_samples_cut_the_variance_of_a_trained_model():
+    # ActNN's per-sample allocation: after training, a few samples carry most of the
+    # gradient; remembering which lets them have the wide widths (benchmarks/variance.py)
+    from actune.data import digits
+    from actune.numerics import measure
+    from actune.train import train
+
+    data = digits()
+    kept = {}
+    for _ in train(zoo.tiny_cnn, data, get_level("2b"), epochs=2, seed=0, per_sample=True,
+                   keep=lambda m, ap: kept.update(model=m, ap=ap)):
+        pass
+    assert kept["ap"].sensitivity is not None
+    res = {r.level: r.quant_variance
+           for r in measure(kept["model"], data, [get_level("L3"), get_level("2b")], repeats=8,
+                            draws=2, per_sample=True, sensitivity=kept["ap"].sensitivity)}
+    assert res["L3"] / res["2b"] > 2.0, res  # measured 4.5x; per tensor only: 0.96x
