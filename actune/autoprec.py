@@ -195,7 +195,7 @@ class AutoPrecision:
     _sizes: list = field(default_factory=list, repr=False)
     #: per dataset sample: the mean square of its gradient (at the first op's output) when it
     #: was last seen, halved towards each new value (0: never seen)
-    sensitivity: torch.Tensor | None = field(default=None, repr=False)
+    sensitivity: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _ids: torch.Tensor | None = field(default=None, repr=False)
     _next_ids: torch.Tensor | None = field(default=None, repr=False)
     _weight: torch.Tensor | None = field(default=None, repr=False)
