@@ -196,9 +196,9 @@ class AutoPrecision:
     #: per dataset sample: the mean square of its gradient (at the first op's output) when it
     #: was last seen, halved towards each new value (0: never seen)
     sensitivity: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _ids: torch.Tensor | None = field(default=None, repr=False)
-    _next_ids: torch.Tensor | None = field(default=None, repr=False)
-    _weight: torch.Tensor | None = field(default=None, repr=False)
+    _ids: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _next_ids: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _weight: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _tracked: bool = field(default=False, repr=False)
     _force: bool = field(default=False, repr=False)
 
