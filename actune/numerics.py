@@ -142,8 +142,9 @@ def measure(model: nn.Module, data: Dataset, levels: list[Level], *, batch: int 
         net = compress(copy.deepcopy(base), level, every=0, per_sample=per_sample)
         ap = autoprec_of(net)
         named = ap is not None and per_sample
-        if named:
+        if named:  # learned once (a pass over the data), then shared by the other levels
             _remember(net, ap, data, batch, sensitivity, loss_fn, names)
+            sensitivity = ap.sensitivity.clone()  # before this level's steps update it
             net.load_state_dict(state)
         if ap is not None:  # one statistics step on this batch, then the bits stay fixed
             torch.manual_seed(seed)
