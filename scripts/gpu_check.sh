@@ -27,7 +27,7 @@ section() {  # section NAME SECONDS COMMAND...
     local name=$1 limit=$2 t0=$SECONDS rc
     shift 2
     echo "=== $name (limit ${limit}s)" | tee -a "$log"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+    timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$log"
 }
@@ -76,6 +76,8 @@ print(json.dumps(rows))
 PY
 }
 
+export -f actune env_report kernels estimate_vs_measured
+export PY
 section environment 40 env_report
 section kernels 100 kernels
 section estimate_vs_measured 100 estimate_vs_measured
