@@ -255,14 +255,19 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def make_batch(spec: ModelSpec, batch: int, resolution: int | None = None, *,
-               device: str | torch.device = "cpu",
+               device: str | torch.device | None = None,
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random (inputs, targets) batch of ``batch`` samples for a built-in model."""
+    """A random (inputs, targets) batch of ``batch`` samples for a built-in model, drawn on
+    the CPU (``generator`` is a CPU generator) and placed on ``device`` (default: the current
+    default device)."""
     r = resolution or spec.resolution
-    targets = torch.randint(0, spec.num_classes, (batch,), generator=generator).to(device)
+    device = torch.get_default_device() if device is None else device
+    cpu = torch.device("cpu")
+    targets = torch.randint(0, spec.num_classes, (batch,), generator=generator,
+                            device=cpu).to(device)
     if spec.inputs == "tokens":
-        inputs = torch.randint(0, 1000, (batch, r), generator=generator).to(device)
+        inputs = torch.randint(0, 1000, (batch, r), generator=generator, device=cpu).to(device)
     else:
         channels = 1 if spec.inputs == "digits" else 3
-        inputs = torch.randn(batch, channels, r, r, generator=generator).to(device)
+        inputs = torch.randn(batch, channels, r, r, generator=generator, device=cpu).to(device)
     return inputs, targets

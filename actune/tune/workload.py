@@ -84,9 +84,17 @@ class Workload:
         return self.factory(**{k: v for k, v in sizes.items() if k in self.dims})
 
     def make_batch(self, batch: int, resolution=None) -> tuple:
+        """A batch of ``batch`` samples, its tensors on the current default device (the one a
+        ``with torch.device(...)`` block selects), wherever the model file made them."""
         if resolution is not None and "resolution" in self._batch_params():
-            return self.batch(batch, resolution=resolution)
-        return self.batch(batch)
+            made = self.batch(batch, resolution=resolution)
+        else:
+            made = self.batch(batch)
+        if not isinstance(made, (tuple, list)):
+            return made  # the caller's check names what is wrong
+        device = torch.get_default_device()
+        return tuple(t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t
+                     for t in made)
 
     def _batch_params(self) -> set[str]:
         return set(inspect.signature(self.batch).parameters)

@@ -64,3 +64,18 @@ def test_builtin_models():
     assert builtin("resnet50").dims == {"depth": 1.0, "width": 1.0, "resolution": 224}
     with pytest.raises(WorkloadError, match="no built-in model 'vgg'"):
         builtin("vgg")
+
+
+@pytest.mark.parametrize("source", ["file", "builtin"])
+def test_batches_land_on_the_device_the_step_runs_on(tmp_path, source):
+    """The tuner runs a step inside ``with torch.device(...)``; a model file that makes its
+    batch on the CPU (as GOOD does) and the built-in models both get that device's tensors."""
+    import torch
+
+    wl = load(write(tmp_path, GOOD)) if source == "file" else builtin("tinycnn")
+    with torch.device("meta"):
+        inputs, targets = wl.make_batch(4, 8)
+    assert inputs.device.type == "meta" and targets.device.type == "meta"
+    assert inputs.shape[0] == 4 and targets.shape == (4,)
+    inputs, targets = wl.make_batch(4, 8)
+    assert inputs.device.type == "cpu" and targets.device.type == "cpu"
