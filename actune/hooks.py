@@ -211,7 +211,7 @@ def _tensors(p) -> tuple[torch.Tensor, ...]:
 def _to_device(p, device: torch.device, pin: bool = False):
     def move(t: torch.Tensor) -> torch.Tensor:
         if pin:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
             return host.copy_(t, non_blocking=True)
         return t.to(device, non_blocking=True)
 

@@ -37,6 +37,9 @@ env_report() {
     "$PY" - <<'PY'
 import numba, numpy, torch
 from numba import cuda
+if tuple(int(v) for v in numpy.__version__.split(".")[:2]) >= (2, 5):
+    print(f"numpy {numpy.__version__}: numba-cuda cannot compile kernels under numpy 2.5 "
+          "(np.row_stack is gone); install numpy<2.5 first (a wheel can travel with the check)")
 print("python", __import__("sys").version.split()[0], "torch", torch.__version__,
       "numba", numba.__version__, "numpy", numpy.__version__)
 try:
@@ -55,7 +58,7 @@ kernels() {
 
 estimate_vs_measured() {
     "$PY" - <<'PY'
-import gc, json, sys, torch
+import json
 from actune.levels import LEVELS
 from actune.tune.probe import Trial
 from actune.tune.workload import builtin
@@ -63,15 +66,13 @@ wl = builtin("resnet50")
 rows = []
 for name, level in LEVELS.items():
     est = Trial(wl, level, {}, "estimate", "cpu", 512).meter.peak(64)
-    trial = Trial(wl, level, {}, "measure", "cuda")
-    real = trial.meter.peak(64)  # in this process: one model per level, freed below
+    real = Trial(wl, level, {}, "measure", "cuda").peak(64)  # a fresh process per level
+    seen = real.parameters + real.gradients + real.optimizer + real.activations + real.temporaries
     rows.append({"level": name, "estimate": est.total, "host": est.host,
-                 "measured": real.total, "ratio": est.total / real.total})
+                 "measured": real.total, "untracked": real.total - seen})
     print(f"{name}: estimate {est.total / 2**20:,.0f} MiB (+{est.host / 2**20:,.0f} MiB host), "
-          f"measured {real.total / 2**20:,.0f} MiB, estimate/measured {est.total / real.total:.3f}")
-    del trial, real
-    gc.collect()
-    torch.cuda.empty_cache()
+          f"measured {real.total / 2**20:,.0f} MiB (of which {(real.total - seen) / 2**20:,.0f} "
+          f"MiB in no tensor the tracker saw), estimate/measured {est.total / real.total:.3f}")
 print(json.dumps(rows))
 PY
 }
