@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from actune.quant import PackedRows, PackedSamples, PackedTensor, group_steps
+from actune.quant import PackedRows, PackedSamples, PackedTensor, group_steps, row_norms
 
 __all__ = ["CHOICES", "AutoPrecision", "Plan", "allocate", "objective"]
 
@@ -172,18 +172,18 @@ class _Slot:
 class AutoPrecision:
     """Allocates bits to compressed tensors every ``every`` steps, ``avg_bits`` on average.
 
-    Attach it to a run with ``actune.compress(model, "2b")`` (which makes one, see
+    Attach it to a run with ``actune.compress(model, "L3")`` (which makes one, see
     :func:`actune.autoprec_of`) or ``actune.compressed(level, autoprec=ap)``. Slots are the
     compressed tensors of a step in the order they are saved; ``per_sample`` lets samples of
     one tensor get different bits (tensors whose dim 0 is the batch). Samples are ranked in
     forward by their norm, times the gradient size remembered for them when the training loop
     names them (:meth:`samples`, as ActNN does): once a model has learned something, a few
-    samples carry most of the gradient, and they get the wide widths. Off by default.
+    samples carry most of the gradient, and they get the wide widths. On by default.
     """
 
     avg_bits: float = 2.0
     every: int = 50
-    per_sample: bool = False
+    per_sample: bool = True
     steps: int = 0
     reallocations: int = 0
     slots: list[_Slot] = field(default_factory=list)
@@ -326,8 +326,7 @@ class AutoPrecision:
             slot = self._fresh[plan.slot]
             slot.noise = rounding_noise(packed, plan.samples)
             if plan.samples > 1 and t is not None:
-                slot.score = torch.linalg.vector_norm(t.detach().reshape(plan.samples, -1),
-                                                      dim=1, dtype=torch.float32)
+                slot.score = row_norms(t.detach().reshape(plan.samples, -1))
                 if plan.weight is not None:
                     slot.score = slot.score * plan.weight
 

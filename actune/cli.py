@@ -36,8 +36,9 @@ JsonOpt = Annotated[Path | None, typer.Option(
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no table "
                                      "(use with --json).")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
-PerSample = Annotated[bool, typer.Option("--per-sample", help="Mixed-precision levels choose "
-                                         "bits per sample too.")]
+PerSample = Annotated[bool, typer.Option("--per-sample/--per-tensor", help="Mixed-precision "
+                                         "levels (L3-L5, 2b...) choose bits per sample too, or "
+                                         "only per tensor.")]
 Resolution = Annotated[int | None, typer.Option(help="Input resolution (images) or sequence "
                                                 "length (tokens).", show_default=False)]
 
@@ -281,7 +282,7 @@ def train(
     resolution: Resolution = None,
     every: Annotated[int, typer.Option(min=0, help="Steps between bit re-allocations "
                                        "(mixed-precision levels).")] = 50,
-    per_sample: PerSample = False,
+    per_sample: PerSample = True,
     device: Annotated[str | None, typer.Option(help="cpu or cuda. Default: cuda when torch "
                                                "sees a GPU.", show_default=False)] = None,
     json_path: JsonOpt = None,
@@ -347,9 +348,18 @@ def _progress_steps(quiet: bool):
 def _train_json(model: str, seed: int, results: dict, allocators: dict) -> dict:
     return {"schema": "actune.train/1", "model": model, "seed": seed,
             "levels": {name: {"epochs": [r.as_dict() for r in rows],
-                              "allocation": allocators[name].state_dict()
-                              if allocators.get(name) is not None else None}
+                              "allocation": _allocation_json(allocators.get(name))}
                        for name, rows in results.items()}}
+
+
+def _allocation_json(ap) -> dict | None:
+    """The allocator's state without its per-dataset-sample table (one number per sample)."""
+    if ap is None:
+        return None
+    state = ap.state_dict()
+    table = state.pop("sensitivity")
+    state["samples_remembered"] = 0 if table is None else int((table > 0).sum())
+    return state
 
 
 def _render_training(model: str, train_n: int, test_n: int, seed: int, results: dict) -> None:
@@ -396,7 +406,7 @@ def numerics(
     model_file: ModelFile = None,
     model: ModelName = "tinycnn",
     levels: Annotated[str, typer.Option(help="Levels to measure (L0 is the reference and "
-                                        "always exact).")] = "L1,L3,2b,1.25b",
+                                        "always exact).")] = "L1,u2,L3,1.25b",
     batch: Annotated[int, typer.Option(min=2, help="Batch size.")] = 64,
     repeats: Annotated[int, typer.Option(min=2, help="Rounding seeds per level.")] = 16,
     draws: Annotated[int, typer.Option(min=2, help="Minibatches for SGD's variance.")] = 16,
@@ -404,7 +414,7 @@ def numerics(
     seed: Annotated[int, typer.Option(help="Seed of the weights and the batches.")] = 0,
     layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Show each layer.")]
     = True,
-    per_sample: PerSample = False,
+    per_sample: PerSample = True,
     json_path: JsonOpt = None,
     debug: Debug = False,
 ) -> None:

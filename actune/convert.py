@@ -121,13 +121,13 @@ def is_compressed(module: nn.Module) -> bool:
 
 
 def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50,
-             per_sample: bool = False) -> nn.Module:
+             per_sample: bool = True) -> nn.Module:
     """Convert ``model``'s supported layers in place to compressed counterparts; returns it.
 
     Works before or after ``.to(device)``; converting again just sets the new level;
     :func:`decompress` restores plain layers. Functional calls written in a model's own
     ``forward`` (outside the layers) are not covered here: wrap the step in
-    :func:`actune.compressed` for those. A mixed-precision level (``"2b"``, ``"1.25b"``)
+    :func:`actune.compressed` for those. A mixed-precision level (L3-L5, ``"2b"``, ``"1.25b"``)
     attaches an :class:`~actune.autoprec.AutoPrecision` (see :func:`autoprec_of`); each
     forward pass in training mode is one step of it, ``every`` steps between allocations,
     ``per_sample`` bits per sample too.

@@ -499,7 +499,7 @@ def compressed(level: str | Level = "L3",
     ``with actune.compressed("L3"): loss = model(x)`` then ``loss.backward()`` (inside or
     outside the block). Contexts nest; the innermost level applies. ``stats``, if given, is
     called with the :class:`CompressionStats` when the outermost context exits. With a level
-    that has ``avg_bits`` (``"2b"``, ``"1.25b"``), ``autoprec`` allocates the bits: each
+    that has ``avg_bits`` (L3-L5, ``"2b"``, ``"1.25b"``), ``autoprec`` allocates the bits: each
     block is one step of it. Without one such a level packs every tensor at its uniform bits.
     """
     lv = get_level(level)

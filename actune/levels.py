@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 
 from actune_kernels import layout
 
-__all__ = ["LEVELS", "Level", "get_level", "mixed", "parse_levels"]
+__all__ = ["LEVELS", "Level", "get_level", "mixed", "parse_levels", "uniform"]
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,9 @@ L1 = Level("L1", matmul_bits=4, masks=True,
                        "the rest exact")
 L2 = Level("L2", matmul_bits=4, other_bits=4, masks=True,
            description="4 bits for every compressed activation, 1-bit masks")
-L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True,
-           description="2 bits for every compressed activation, 1-bit masks (the default)")
+L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True, avg_bits=2.0,
+           description="2 bits on average, per layer and per sample where the gradient is "
+                       "sensitive (mixed precision), 1-bit masks (the default)")
 L4 = L3.with_(name="L4", offload=True,
               description="L3 + packed activations offloaded to pinned host memory (CUDA)")
 L5 = L4.with_(name="L5", defrag=True,
@@ -97,6 +98,15 @@ LEVELS: dict[str, Level] = {lv.name: lv for lv in (L0, L1, L2, L3, L4, L5)}
 
 
 _AVERAGE = re.compile(r"^(\d+(?:\.\d+)?)\s*(?:b|bits?)?$", re.IGNORECASE)
+_UNIFORM = re.compile(r"^u(\d)$", re.IGNORECASE)
+
+
+def uniform(bits: int) -> Level:
+    """``bits`` for every compressed activation, no allocator (named ``"u2"``, ``"u4"``): the
+    baseline that mixed precision at the same average is measured against."""
+    layout.check_bits(bits)
+    return L3.with_(name=f"u{bits}", matmul_bits=bits, other_bits=bits, avg_bits=None,
+                    description=f"{bits} bits for every compressed activation, 1-bit masks")
 
 
 def mixed(avg_bits: float) -> Level:
@@ -123,8 +133,12 @@ def get_level(level: str | Level) -> Level:
         average = _AVERAGE.match(text)
         if average:
             return mixed(float(average.group(1)))
-        raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(LEVELS)}, or "
-                         f"an average number of bits such as 2b or 1.25b (mixed precision)")
+        bits = _UNIFORM.match(text)
+        if bits and int(bits.group(1)) in layout.SUPPORTED_BITS:
+            return uniform(int(bits.group(1)))
+        raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(LEVELS)}, "
+                         f"an average number of bits such as 2b or 1.25b (mixed precision), "
+                         f"or u1, u2, u4, u8 (the same bits everywhere)")
     return found
 
 

@@ -117,7 +117,7 @@ def sgd_variance(model: nn.Module, data: Dataset, batch: int, draws: int, seed: 
 
 
 def measure(model: nn.Module, data: Dataset, levels: list[Level], *, batch: int = 64,
-            repeats: int = 16, draws: int = 16, seed: int = 0, per_sample: bool = False,
+            repeats: int = 16, draws: int = 16, seed: int = 0, per_sample: bool = True,
             sensitivity: torch.Tensor | None = None,
             loss_fn: Callable = nn.functional.cross_entropy,
             on_progress: Callable[[str], None] | None = None) -> list[LevelNumerics]:

@@ -275,6 +275,14 @@ class PackedRows:
         return self.codes.device
 
 
+def row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """Float32 L2 norm of each row of a 2-D tensor (accumulated in float32 for half types,
+    in the tensor's own precision for float64)."""
+    if rows.dtype == torch.float64:
+        return torch.linalg.vector_norm(rows, dim=1).float()
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+
+
 def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
                      group_size: int = layout.DEFAULT_GROUP_SIZE,
                      zero_code: bool = False,
@@ -295,7 +303,7 @@ def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
     dense = _storage_order(x)
     per_sample = x.numel() // max(n, 1)
     rows = x.reshape(n, -1) if dense is None or x.is_contiguous() else dense.reshape(n, -1)
-    key = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+    key = row_norms(rows)
     if weight is not None:
         key = key * weight.to(key.device, torch.float32)
     order = torch.argsort(key, descending=True)

@@ -52,7 +52,7 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 
 def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, epochs: int,
           seed: int, batch_size: int = 64, loss_fn: Callable = nn.functional.cross_entropy,
-          make_optimizer: Callable | None = None, every: int = 50, per_sample: bool = False,
+          make_optimizer: Callable | None = None, every: int = 50, per_sample: bool = True,
           device: str | torch.device = "cpu",
           on_step: Callable[[], None] | None = None,
           keep: Callable[[nn.Module, AutoPrecision | None], None] | None = None,

@@ -5,7 +5,7 @@ compression differs. Prints, per level, the final test accuracy of each seed, th
 the difference to L0 in percentage points (ActNN's claim: < 0.5 points at 2 bits; 1.25 bits
 still converges).
 
-    python benchmarks/accuracy.py [--epochs 20] [--seeds 0,1,2] [--levels L0,L3,2b,1.25b]
+    python benchmarks/accuracy.py [--epochs 20] [--seeds 0,1,2] [--levels L0,u2,L3,1.25b]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--levels", default="L0,L3,2b,1.25b")
+    parser.add_argument("--levels", default="L0,u2,L3,1.25b")
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))

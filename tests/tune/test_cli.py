@@ -142,7 +142,10 @@ def test_train_side_by_side_with_the_allocation_and_json(tmp_path):
     assert [r["epoch"] for r in rows] == [1, 2]
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["test_accuracy"] > 0.8
     assert rows[-1]["mean_bits"] <= 1.25 + 1e-9
-    assert data["levels"]["1.25b"]["allocation"]["slots"]
+    allocation = data["levels"]["1.25b"]["allocation"]
+    assert allocation["slots"] and allocation["per_sample"]
+    # samples are named by default: every training sample was seen and remembered
+    assert allocation["samples_remembered"] == 1433 and "sensitivity" not in allocation
     assert data["levels"]["L0"]["allocation"] is None
 
 
@@ -180,14 +183,14 @@ def test_train_and_numerics_bad_input(args, message):
 
 def test_numerics_reports_bias_and_both_variances(tmp_path):
     out = tmp_path / "n.json"
-    result = run("numerics", "--levels", "L3,2b", "--repeats", "4", "--draws", "4",
+    result = run("numerics", "--levels", "u2,L3", "--repeats", "4", "--draws", "4",
                  "--no-layers", "--json", str(out))
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["schema"] == "actune.numerics/1"
-    l3, mixed = data["levels"]
-    assert (l3["level"], mixed["level"]) == ("L3", "2b")
-    for r in (l3, mixed):
+    uniform, mixed = data["levels"]
+    assert (uniform["level"], mixed["level"]) == ("u2", "L3")
+    for r in (uniform, mixed):
         assert 0 < r["quant_variance"] < r["sgd_variance"]  # rounding is the smaller noise
         assert r["layers"] and sum(x["numel"] for x in r["layers"]) == 29162
     assert mixed["mean_bits"] == pytest.approx(2.0, abs=1e-6)
