@@ -89,6 +89,34 @@ def test_levels_from_average_bits():
         get_level("9b")
 
 
+def test_l3_is_mixed_precision_and_u2_is_its_uniform_baseline():
+    """L3 (and L4/L5) allocate 2 bits on average, per sample by default, as ActNN's L3; u2
+    is the same 2 bits everywhere with no allocator; without an allocator both pack alike."""
+    from actune.levels import LEVELS, uniform
+
+    for name in ("L3", "L4", "L5"):
+        assert LEVELS[name].avg_bits == 2.0 and LEVELS[name].matmul_bits == 2
+    u2 = get_level("u2")
+    assert u2 == uniform(2) and u2.avg_bits is None and (u2.matmul_bits, u2.other_bits) == (2, 2)
+    assert get_level("U4").other_bits == 4
+    assert [x.name for x in parse_levels("u2,L3")] == ["u2", "L3"]
+    with pytest.raises(ValueError, match="u1, u2, u4, u8"):
+        get_level("u3")
+    model = actune.compress(zoo.tiny_cnn(), "L3")
+    ap = actune.autoprec_of(model)
+    assert ap is not None and ap.avg_bits == 2.0 and ap.per_sample
+    assert actune.autoprec_of(actune.compress(zoo.tiny_cnn(), "u2")) is None
+    x = torch.randn(16, 1, 8, 8)
+    saved = {}
+    for name in ("u2", "L3"):  # compressed() with no allocator: L3 falls back to 2 bits
+        torch.manual_seed(0)
+        seen = []
+        with actune.compressed(name, stats=seen.append):
+            zoo.tiny_cnn()(x).sum()
+        saved[name] = (seen[0].kept_bytes, seen[0].packed)
+    assert saved["u2"] == saved["L3"]
+
+
 @pytest.mark.parametrize("channels", [4, 3])  # 256 per sample: packed in place; 192: gathered
 def test_per_sample_packing_gives_each_sample_its_bits(channels):
     torch.manual_seed(0)
