@@ -530,8 +530,9 @@ def info(debug: Debug = False) -> None:
         table.add_row("python", platform.python_version())
         table.add_row("levels", "; ".join(f"{lv.name}: {lv.description}"
                                           for lv in LEVELS.values()))
-        table.add_row("mixed precision", "levels named by their average bits (2b, 1.25b, any "
-                      "from 1 to 8): L3 with bits allocated where the gradient is sensitive")
+        table.add_row("mixed precision", "L3-L5 at 2 bits on average; other averages are "
+                      "levels named by their bits (1.25b, 3b, any from 1 to 8); u1, u2, u4, u8: "
+                      "the same bits everywhere, no allocator")
         console.print(table)
 
 
