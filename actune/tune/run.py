@@ -149,26 +149,49 @@ def throughput(workload: Workload, level: Level, batch: int, sizes: dict, device
                steps: int = 5, warmup: int = 2) -> float:
     """Samples per second of real training steps: the median over ``steps`` timed steps
     after ``warmup`` untimed ones."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = workload.model(**sizes)
-        opt = workload.optimizer(model.parameters())
-        inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
-    times = []
-    for i in range(warmup + steps):
-        if device.startswith("cuda"):  # pragma: no cover - needs a GPU
+    return throughputs(workload, [(level, batch)], sizes, device, steps, warmup)[0]
+
+
+def throughputs(workload: Workload, runs: list[tuple[Level, int]], sizes: dict, device: str,
+                steps: int = 5, warmup: int = 2) -> list[float]:
+    """Samples per second of each (level, batch): every run gets its own model (same seed)
+    and ``warmup`` untimed steps, then the timed steps are taken in rounds, one step of each
+    run per round, so drift in the machine's speed (other work, a warming allocator) falls on
+    all runs alike. Each figure is the batch over the median of its ``steps`` step times."""
+    cuda = device.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(device)
+
+    states = []
+    for level, batch in runs:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = workload.model(**sizes)
+            opt = workload.optimizer(model.parameters())
+            inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
+        states.append((level, model, opt, inputs, targets))
+
+    def step(level, model, opt, inputs, targets) -> float:
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with actune.compressed(level):
             loss = workload.loss(model(inputs), targets)
         loss.backward()
         opt.step()
-        if device.startswith("cuda"):  # pragma: no cover
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return batch / statistics.median(times)
+        sync()
+        return time.perf_counter() - t0
+
+    for state in states:
+        for _ in range(warmup):
+            step(*state)
+    times: list[list[float]] = [[] for _ in states]
+    for _ in range(steps):
+        for i, state in enumerate(states):
+            times[i].append(step(*state))
+    return [batch / statistics.median(t) for (_, batch), t in zip(runs, times, strict=True)]
 
 
 def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch: int | None,
@@ -181,6 +204,7 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
                     settings.budget.source, settings.mode, "batch", dict(sizes))
     if batch and levels:  # one untimed step first: thread pools, allocator and kernels warm up
         throughput(workload, levels[-1], batch, sizes, settings.device, steps=1, warmup=1)
+    pending: list[tuple[LevelResult, Level]] = []
     for level in levels:
         trial = Trial(workload, level, sizes, settings.mode, settings.device, settings.round_to)
         used = batch
@@ -195,7 +219,17 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
                           note=_note(level, settings, real_steps=True))
         if used:
             _fill(row, trial.peak(used))
-            row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
-                                           steps, warmup)
-        _add(report, row, on_level)
+            if at_max:  # each level at the edge of the budget: one model alive at a time
+                row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
+                                               steps, warmup)
+        if at_max or not used:
+            _add(report, row, on_level)
+        else:
+            pending.append((row, level))
+    if pending:  # one batch for all: their steps are timed in interleaved rounds
+        speeds = throughputs(workload, [(level, row.value) for row, level in pending], sizes,
+                             settings.device, steps, warmup)
+        for (row, _), speed in zip(pending, speeds, strict=True):
+            row.samples_per_s = speed
+            _add(report, row, on_level)
     return report

@@ -72,3 +72,23 @@ def test_compression_shows_in_the_estimate():
     assert l0.saved == l0.saved_uncompressed
     assert l0.saved / l3.saved > 12
     assert l3.total < l0.total
+
+
+def test_bench_times_levels_in_interleaved_rounds(monkeypatch):
+    """Each level gets its warm-up steps, then the timed steps alternate between levels, so a
+    machine that speeds up or slows down during the run shifts every level alike."""
+    import actune
+    from actune.tune.run import throughputs
+
+    seen = []
+    original = actune.compressed
+
+    def recording(level, *args, **kwargs):
+        seen.append(level.name)
+        return original(level, *args, **kwargs)
+
+    monkeypatch.setattr(actune, "compressed", recording)
+    speeds = throughputs(builtin("tinycnn"), [(LEVELS["L0"], 8), (LEVELS["L3"], 4)], {}, "cpu",
+                         steps=3, warmup=2)
+    assert seen == ["L0", "L0", "L3", "L3"] + ["L0", "L3"] * 3
+    assert all(s > 0 for s in speeds)
