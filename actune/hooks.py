@@ -699,20 +699,28 @@ def _window_offsets(idx, in_spatial, kernel, stride, padding, dilation):
         pool.offsets_2d(idx.reshape(planes, *idx.shape[-2:]).numpy(), out.numpy(),
                         in_spatial[-1], kernel, stride, padding, dilation)
         return out.view(idx.shape), tuple(in_spatial)
-    out_spatial = idx.shape[-len(kernel):]
+    # Elsewhere (GPU, fake tensors, 3-d): torch operations, in place on index-sized int32
+    # buffers (at most three alive besides the indices, for 3-d pooling; two for 2-d).
     starts = [g.to(idx.device, torch.int32)
-              for g in _window_grid(out_spatial, kernel, stride, padding)]
+              for g in _window_grid(idx.shape[-len(kernel):], kernel, stride, padding)]
     rem = idx.to(torch.int32)  # plane indices fit; int32 halves the work
-    coords = []
-    for n in reversed(in_spatial):
-        coords.append(rem % n)
-        rem = rem // n
-    coords.reverse()
     offset = None
-    for c, s, d, k in zip(coords, starts, dilation, kernel, strict=True):
-        step = (c - s) // d if d != 1 else c - s
-        offset = step if offset is None else offset * k + step
-    return offset, tuple(in_spatial)
+    scale = 1  # window positions per step of this dimension
+    for d in reversed(range(len(kernel))):
+        if d:
+            coord = torch.remainder(rem, in_spatial[d])
+            rem.div_(in_spatial[d], rounding_mode="floor")
+        else:
+            coord = rem  # what is left is the first coordinate
+        coord.sub_(starts[d])
+        if dilation[d] != 1:
+            coord.div_(dilation[d], rounding_mode="floor")
+        if scale != 1:
+            coord.mul_(scale)
+        offset = coord if offset is None else offset.add_(coord)
+        del coord
+        scale *= kernel[d]
+    return offset.to(torch.uint8), tuple(in_spatial)
 
 
 def _numba_pool(t: torch.Tensor, kernel) -> bool:
@@ -731,20 +739,23 @@ def _indices_from_offsets(offsets, in_spatial, kernel, stride, padding, dilation
                         idx.view(planes, -1).numpy(), in_spatial[-1], out_h, out_w, kernel,
                         stride, padding, dilation)
         return idx
-    offsets = offsets.to(torch.int32)
-    out_spatial = offsets.shape[-len(kernel):]
+    # Elsewhere: torch operations, in place (one int32 buffer per pooled dimension).
     starts = [g.to(offsets.device, torch.int32)
-              for g in _window_grid(out_spatial, kernel, stride, padding)]
-    local = []
-    rem = offsets
-    for k in reversed(kernel):
-        local.append(rem % k)
-        rem = rem // k
-    local.reverse()
-    idx = None
-    for loc, s, d, n in zip(local, starts, dilation, in_spatial, strict=True):
-        coord = s + (loc * d if d != 1 else loc)
-        idx = coord if idx is None else idx * n + coord
+              for g in _window_grid(offsets.shape[-len(kernel):], kernel, stride, padding)]
+    rem = offsets.to(torch.int32)
+    local = {}
+    for d in range(len(kernel) - 1, 0, -1):
+        local[d] = torch.remainder(rem, kernel[d])
+        rem.div_(kernel[d], rounding_mode="floor")
+    idx = rem  # the first dimension's position in its window
+    for d in range(len(kernel)):
+        loc = idx if d == 0 else local.pop(d)
+        if dilation[d] != 1:
+            loc.mul_(dilation[d])
+        loc.add_(starts[d])  # the input coordinate
+        if d:
+            idx.mul_(in_spatial[d]).add_(loc)
+        del loc
     return idx.long()
 
 

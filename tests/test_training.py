@@ -3,6 +3,7 @@
 import copy
 import datetime
 import io
+import math
 import os
 import tempfile
 import time
@@ -485,13 +486,32 @@ def test_norm_statistics_stay_exact_and_only_the_input_is_rounded():
     ((2, 3), (3, 3), (1, 1), (1, 1), (1, 2)),  # wider: decomposed through coordinates
     ((8, 8), (2, 2), (2, 2), (0, 0), (1, 1)),
 ])
+@pytest.mark.parametrize("path", ["numba", "torch"])
 def test_max_pool_offsets_round_trip_to_pytorchs_indices(size, kernel, stride, padding,
-                                                         dilation):
+                                                         dilation, path, monkeypatch):
+    from actune import hooks
     from actune.hooks import _indices_from_offsets, _window_offsets
 
+    if path == "torch":  # the path GPUs and fake tensors take
+        monkeypatch.setattr(hooks, "_numba_pool", lambda t, kernel: False)
     x = torch.randn(3, 5, *size, generator=torch.Generator().manual_seed(1))
     _, idx = F.max_pool2d(x, kernel, stride, padding, dilation, return_indices=True)
     offsets, spatial = _window_offsets(idx, x.shape[-2:], kernel, stride, padding, dilation)
     assert offsets.dtype == torch.uint8 and int(offsets.max()) < kernel[0] * kernel[1]
     back = _indices_from_offsets(offsets, spatial, kernel, stride, padding, dilation)
     assert torch.equal(back, idx)
+
+
+@pytest.mark.parametrize(("size", "kernel", "stride", "padding", "dilation"), [
+    ((7, 9, 8), (3, 3, 2), (2, 2, 2), (1, 1, 0), (1, 1, 1)),
+    ((6, 5, 7), (2, 3, 3), (1, 2, 1), (1, 1, 1), (2, 1, 2)),
+])
+def test_max_pool_3d_offsets_round_trip(size, kernel, stride, padding, dilation):
+    from actune.hooks import _indices_from_offsets, _window_offsets
+
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(2))
+    _, idx = F.max_pool3d(x, kernel, stride, padding, dilation, return_indices=True)
+    offsets, spatial = _window_offsets(idx, x.shape[-3:], kernel, stride, padding, dilation)
+    assert offsets.dtype == torch.uint8 and int(offsets.max()) < math.prod(kernel)
+    assert torch.equal(_indices_from_offsets(offsets, spatial, kernel, stride, padding,
+                                             dilation), idx)
