@@ -6,12 +6,12 @@
 # 1. the environment (GPU, driver, torch, numba-cuda);
 # 2. the CUDA kernels against the CPU reference, byte for byte, on large tensors, and their
 #    throughput against torch clone on the GPU;
-# 3. estimated against measured peak per level (ResNet-50, batch 64, 224x224);
-# 4. bench L0-L5 on ResNet-50 (batch 64, 224x224);
-# 5. actune maxbatch --mode measure at L0 and L3 on ResNet-50 under 16 GiB (real OOMs,
+# 3. where a compressed step's time goes (scripts/gpu_profile.py: host vs GPU time, syncs);
+# 4. estimated against measured peak per level (ResNet-50, batch 64, 224x224);
+# 5. bench L0-L5 on ResNet-50 (batch 64, 224x224);
+# 6. actune maxbatch --mode measure at L0 and L3 on ResNet-50 under 16 GiB (real OOMs,
 #    subprocess probes);
-# 6. training on digits at L0, L3 and mixed precision on the GPU;
-# 7. where a compressed step's time goes (scripts/gpu_profile.py: host vs GPU time, syncs).
+# 7. training on digits at L0, u2, L3 and 1.25 bits on the GPU.
 # Runs from a checkout without installing: PYTHONPATH points at it, PYTHON (default python3)
 # is the interpreter that holds torch.
 set -uo pipefail
@@ -82,6 +82,7 @@ export -f actune env_report kernels estimate_vs_measured
 export PY
 section environment 30 env_report
 section kernels 70 kernels
+section profile 45 "$PY" scripts/gpu_profile.py
 section estimate_vs_measured 90 estimate_vs_measured
 section bench 110 actune bench --model resnet50 --resolution 224 --batch 64 --levels L0-L5 \
     --steps 5 --warmup 2 --json "$out/bench.json"
@@ -89,5 +90,4 @@ section maxbatch_measure 100 actune maxbatch --model resnet50 --levels L0,L3 --m
     --budget 16GiB --json "$out/maxbatch_measure.json"
 section train 35 actune train --device cuda --levels L0,u2,L3,1.25b --epochs 3 \
     --json "$out/train.json"
-section profile 45 "$PY" scripts/gpu_profile.py
 echo "done after $SECONDS s" | tee -a "$log"
