@@ -219,10 +219,13 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
                           note=_note(level, settings, real_steps=True))
         if used:
             _fill(row, trial.peak(used))
-            if at_max:  # each level at the edge of the budget: one model alive at a time
-                row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
-                                               steps, warmup)
-        if at_max or not used:
+        # each level at the edge of the budget, or one that empties the CUDA allocator's cache
+        # after its forward pass (which would slow whichever level runs next): timed alone
+        alone = at_max or (level.defrag and settings.device.startswith("cuda"))
+        if used and alone:
+            row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
+                                           steps, warmup)
+        if alone or not used:
             _add(report, row, on_level)
         else:
             pending.append((row, level))
@@ -232,4 +235,9 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
         for (row, _), speed in zip(pending, speeds, strict=True):
             row.samples_per_s = speed
             _add(report, row, on_level)
+        order = {lv.name: i for i, lv in enumerate(levels)}
+        if [r.level for r in report.levels] != sorted(order, key=order.get):
+            report.levels.sort(key=lambda r: order[r.level])  # back in the order asked for
+            if on_level:
+                on_level(report)
     return report

@@ -92,3 +92,24 @@ def test_bench_times_levels_in_interleaved_rounds(monkeypatch):
                          steps=3, warmup=2)
     assert seen == ["L0", "L0", "L3", "L3"] + ["L0", "L3"] * 3
     assert all(s > 0 for s in speeds)
+
+
+def test_bench_times_a_cache_emptying_level_alone_on_a_gpu_and_keeps_the_order(monkeypatch):
+    """L5 empties the CUDA allocator's cache after its forward pass, which would slow the
+    level timed after it: on a GPU it is timed alone, the rest interleaved, and the report
+    keeps the order asked for."""
+    from actune.memory.budget import Budget
+    from actune.tune import run
+
+    alone, together = [], []
+    monkeypatch.setattr(run, "throughput", lambda wl, level, *a, **k: alone.append(level.name)
+                        or 100.0)
+    monkeypatch.setattr(run, "throughputs", lambda wl, runs, *a, **k: together.append(
+        [lv.name for lv, _ in runs]) or [50.0] * len(runs))
+    settings = run.Settings(Budget(16 << 30, "test"), mode="estimate", device="cuda")
+    levels = [LEVELS["L0"], LEVELS["L5"], LEVELS["L3"]]
+    report = run.bench(builtin("tinycnn"), levels, settings, batch=4)
+    assert alone == ["L3", "L5"]  # the warm-up step (last level), then L5 on its own
+    assert together == [["L0", "L3"]]
+    assert [r.level for r in report.levels] == ["L0", "L5", "L3"]
+    assert [r.samples_per_s for r in report.levels] == [50.0, 100.0, 50.0]
