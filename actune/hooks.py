@@ -268,6 +268,16 @@ class _Session:
     def level(self) -> Level:
         return self.levels[-1]
 
+    def attach(self, autoprec: AutoPrecision | None) -> AutoPrecision | None:
+        """Make ``autoprec`` (if given) the allocator of the block being entered, which is one
+        step of it when gradients are recorded; returns the allocator to restore on exit."""
+        previous = self.autoprec
+        if autoprec is not None:
+            self.autoprec = autoprec
+            if torch.is_grad_enabled():
+                autoprec.begin_step()
+        return previous
+
     def allocator(self) -> AutoPrecision | None:
         """The allocator choosing bits now (a level with ``avg_bits`` and one attached)."""
         ap = self.autoprec
@@ -474,11 +484,7 @@ def shared_cache(autoprec: AutoPrecision | None = None) -> Iterator[None]:
     whose forward pass this block is (one step of it)."""
     s = _session()
     s.holds += 1
-    previous = s.autoprec
-    if autoprec is not None:
-        s.autoprec = autoprec
-        if torch.is_grad_enabled():
-            autoprec.begin_step()
+    previous = s.attach(autoprec)
     try:
         yield
     finally:
@@ -510,11 +516,7 @@ def compressed(level: str | Level = "L3",
     outer = not s.levels
     if outer:
         s.stats_sink = stats
-    previous = s.autoprec
-    if autoprec is not None:
-        s.autoprec = autoprec
-        if torch.is_grad_enabled():
-            autoprec.begin_step()
+    previous = s.attach(autoprec)
     s.push(lv)
     try:
         yield lv

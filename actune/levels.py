@@ -115,8 +115,8 @@ def mixed(avg_bits: float) -> Level:
     above the average."""
     if not 1 <= avg_bits <= 8:
         raise ValueError(f"average bits must be within [1, 8], got {avg_bits:g}")
-    uniform = max(b for b in layout.SUPPORTED_BITS if b <= avg_bits)
-    return L3.with_(name=f"{avg_bits:g}b", matmul_bits=uniform, other_bits=uniform,
+    width = max(b for b in layout.SUPPORTED_BITS if b <= avg_bits)
+    return L3.with_(name=f"{avg_bits:g}b", matmul_bits=width, other_bits=width,
                     avg_bits=float(avg_bits),
                     description=f"{avg_bits:g} bits on average, allocated where the gradient "
                                 f"is sensitive; 1-bit masks")

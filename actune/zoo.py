@@ -255,13 +255,12 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def make_batch(spec: ModelSpec, batch: int, resolution: int | None = None, *,
-               device: str | torch.device | None = None,
+               device: str | torch.device = "cpu",
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A random (inputs, targets) batch of ``batch`` samples for a built-in model, drawn on
-    the CPU (``generator`` is a CPU generator) and placed on ``device`` (default: the current
-    default device)."""
+    the CPU whatever the default device (``generator`` is a CPU generator), then moved to
+    ``device``."""
     r = resolution or spec.resolution
-    device = torch.get_default_device() if device is None else device
     cpu = torch.device("cpu")
     targets = torch.randint(0, spec.num_classes, (batch,), generator=generator,
                             device=cpu).to(device)
