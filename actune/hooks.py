@@ -571,6 +571,70 @@ class _MaskedLinear(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
+class _Conv(torch.autograd.Function):
+    """A convolution whose backward needs one activation-sized tensor at a time.
+
+    PyTorch's convolution backward holds the dequantized input and the input gradient
+    together. This one computes the weight (and bias) gradient first, frees the dequantized
+    input, and then computes the input gradient as the transposed convolution of the output
+    gradient (the same kernel, the same values), which needs no input at all. Its saved input
+    goes through the saved-tensor hooks like any other (packed once, shared with the ReLU or
+    the other convolution that saved the same storage, offloaded at L4/L5)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
+        n = weight.dim() - 2
+        stride, padding, dilation = _tuple(stride, n), _tuple(padding, n), _tuple(dilation, n)
+        ctx.conf = (stride, padding, dilation, groups)
+        ctx.bias_sizes = None if bias is None else list(bias.shape)
+        ctx.save_for_backward(x, weight)
+        y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False,
+                                       [0] * n, groups)
+        # the rows and columns of the input the strided windows never reach
+        ctx.output_padding = [
+            size - ((out - 1) * st + dil * (k - 1) + 1 - 2 * pad)
+            for size, out, k, st, pad, dil in zip(x.shape[2:], y.shape[2:], weight.shape[2:],
+                                                  stride, padding, dilation, strict=True)]
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_double_backward()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        stride, padding, dilation, groups = ctx.conf
+        n = len(stride)
+        x, weight = ctx.saved_tensors
+        gw = gb = gx = None
+        if need_w or need_b:
+            _, gw, gb = torch.ops.aten.convolution_backward(
+                grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, [0] * n,
+                groups, [False, need_w, need_b])
+        del x  # the dequantized input is freed before the input gradient is allocated
+        if need_x:
+            gx = torch.ops.aten.convolution(grad, weight, None, stride, padding, dilation, True,
+                                            ctx.output_padding, groups)
+        return gx, gw, gb, None, None, None, None
+
+
+#: Convolutions whose input has fewer elements run PyTorch's own backward: the memory the
+#: ordered backward saves is small there, and its Python overhead (about 0.1 ms a call on
+#: the CPU) is not.
+LEAN_CONV_NUMEL = 1 << 20
+
+
+def _conv_args(func, args, kwargs):
+    """(x, weight, bias, stride, padding, dilation, groups) of a plain convolution call that
+    :class:`_Conv` should run, or None (small or unbatched input, string padding: PyTorch's
+    own)."""
+    x, weight = args[0], _arg(args, kwargs, 1, "weight", None)
+    padding = _arg(args, kwargs, 4, "padding", 0)
+    if (x.numel() < LEAN_CONV_NUMEL or not isinstance(weight, torch.Tensor)
+            or isinstance(padding, str) or x.dim() != weight.dim()):
+        return None
+    return (x, weight, _arg(args, kwargs, 2, "bias", None), _arg(args, kwargs, 3, "stride", 1),
+            padding, _arg(args, kwargs, 5, "dilation", 1), _arg(args, kwargs, 6, "groups", 1))
+
+
 class _ReLU(torch.autograd.Function):
     """ReLU whose output is packed once, with code 0 reserved for exact zeros: the same packed
     copy serves the next layer (a convolution's saved input) and this backward's mask, which
@@ -883,10 +947,13 @@ class _FunctionMode(TorchFunctionMode):
         if func in _NORMS and isinstance(args[0], torch.Tensor):
             only = args[0].shape  # and its weight, bias and running statistics: references
             refs = tuple(a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor))
+        conv = None
+        if func in _PLAIN_CONVS and level.matmul_bits is not None:
+            conv = _conv_args(func, args, kwargs)
         previous = s.kind, s.only_shape, s.references
         s.kind, s.only_shape, s.references = kind, only, refs
         try:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if conv is None else _Conv.apply(*conv)
         finally:
             s.kind, s.only_shape, s.references = previous
 
@@ -960,6 +1027,7 @@ class _FunctionMode(TorchFunctionMode):
 
 
 _NORMS = {F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm, F.rms_norm}
+_PLAIN_CONVS = {F.conv1d, F.conv2d, F.conv3d}
 _CONVS = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
           F.conv_transpose3d}
 

@@ -51,7 +51,8 @@ class BasicBlock(nn.Module):
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return self.relu(out + identity)
+        out += identity  # in place, as torchvision's blocks: the sum needs no new tensor
+        return self.relu(out)
 
 
 class Bottleneck(nn.Module):
@@ -74,7 +75,8 @@ class Bottleneck(nn.Module):
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
-        return self.relu(out + identity)
+        out += identity
+        return self.relu(out)
 
 
 class ResNet(nn.Module):

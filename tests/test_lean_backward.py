@@ -1,0 +1,112 @@
+"""The ordered convolution backward: PyTorch's gradients, one activation-sized tensor less."""
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import actune
+from actune import hooks
+from actune.memory import StepMeter
+
+CASES = [  # (conv, input shape, kwargs)
+    (F.conv2d, (2, 4, 9, 11), dict(out=6, k=3, stride=1, padding=1, dilation=1, groups=1)),
+    (F.conv2d, (2, 4, 9, 11), dict(out=6, k=3, stride=2, padding=1, dilation=1, groups=2)),
+    (F.conv2d, (3, 4, 10, 7), dict(out=8, k=1, stride=2, padding=0, dilation=1, groups=1)),
+    (F.conv2d, (2, 4, 12, 12), dict(out=4, k=3, stride=3, padding=2, dilation=2, groups=4)),
+    (F.conv1d, (2, 4, 31), dict(out=6, k=5, stride=2, padding=2, dilation=1, groups=1)),
+    (F.conv3d, (2, 2, 5, 6, 7), dict(out=4, k=3, stride=2, padding=1, dilation=1, groups=1)),
+]
+
+
+def _grads(func, shape, kw, bias, lean, monkeypatch):
+    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0 if lean else 2**62)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_()
+    dims = len(shape) - 2
+    w = torch.randn((kw["out"], shape[1] // kw["groups"], *[kw["k"]] * dims), generator=gen,
+                    dtype=torch.float64).requires_grad_()
+    b = torch.randn(kw["out"], generator=gen, dtype=torch.float64).requires_grad_() if bias \
+        else None
+    torch.manual_seed(1)
+    with actune.compressed(actune.Level("t", matmul_bits=4, min_numel=1)):
+        y = func(x, w, b, kw["stride"], kw["padding"], kw["dilation"], kw["groups"])
+    assert (type(y.grad_fn).__name__ == "_ConvBackward") == lean
+    y.mul(torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+    return [t.grad for t in (x, w, b) if t is not None]
+
+
+@pytest.mark.parametrize(("func", "shape", "kw"), CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_ordered_conv_backward_gives_pytorchs_gradients(func, shape, kw, bias, monkeypatch):
+    ordered = _grads(func, shape, kw, bias, True, monkeypatch)
+    native = _grads(func, shape, kw, bias, False, monkeypatch)
+    for a, b in zip(ordered, native, strict=True):  # the same rounding, the same gradients
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_frozen_weights_and_inputs_without_gradients(monkeypatch):
+    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0)
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    conv.weight.requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    with actune.compressed("L3"):
+        out = conv(x)
+    out.sum().backward()
+    assert x.grad is not None and conv.weight.grad is None and conv.bias.grad is not None
+    conv.weight.requires_grad_(True)
+    with actune.compressed("L3"):
+        out = conv(torch.randn(2, 3, 8, 8))
+    out.sum().backward()
+    assert conv.weight.grad is not None
+
+
+def test_double_backward_through_the_ordered_conv_raises(monkeypatch):
+    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    conv = nn.Conv2d(3, 4, 3)
+    with actune.compressed("L3"):
+        loss = conv(x).square().sum()
+    with pytest.raises(actune.DoubleBackwardError):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
+class _TwoConvs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.b = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _peak(mode: str, lean: bool, monkeypatch) -> int:
+    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 2**20 if lean else 2**62)
+
+    def build():
+        torch.manual_seed(0)
+        model = _TwoConvs()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, opt, batch, _sink):
+        x = torch.randn(batch, 3, 128, 128)
+        opt.zero_grad(set_to_none=True)
+        with actune.compressed("u2"):
+            loss = model(x).mean()
+        loss.backward()
+        opt.step()
+
+    return StepMeter(build, step, mode).peak(4).total
+
+
+@pytest.mark.parametrize("mode", ["measure", "estimate"])
+def test_ordered_conv_backward_frees_the_input_before_its_gradient(mode, monkeypatch):
+    activation = 4 * 16 * 128 * 128 * 4  # conv b's input: 2**20 float32 elements
+    saved = _peak(mode, False, monkeypatch) - _peak(mode, True, monkeypatch)
+    assert 0.9 * activation <= saved <= 1.1 * activation
+
+
+def test_the_estimate_sees_the_ordered_backward_as_measured(monkeypatch):
+    measured = _peak("measure", True, monkeypatch)
+    assert abs(_peak("estimate", True, monkeypatch) - measured) <= 0.01 * measured
