@@ -541,6 +541,22 @@ def _check_double_backward() -> None:
         raise DoubleBackwardError(_DOUBLE_BACKWARD)
 
 
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
+
+
+def _take(ctx, name: str):
+    """What a substituted function's forward kept on ``ctx`` as ``name``, let go once read
+    unless the graph is retained (``retain_graph=True``): autograd's own lifetime for saved
+    tensors, so packed values are freed as backward moves down, not when it ends."""
+    value = getattr(ctx, name)
+    if value is None:
+        raise RuntimeError("Trying to backward through the graph a second time: its packed "
+                           "values were freed. Pass retain_graph=True to the first backward.")
+    if not _keep_graph():
+        setattr(ctx, name, None)
+    return value
+
+
 class _MaskedLinear(torch.autograd.Function):
     """y = f(x) whose derivative is piecewise constant: saves a 1-bit mask.
 
@@ -563,7 +579,7 @@ class _MaskedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _check_double_backward()
-        mask = ctx.mask.get()
+        mask = _take(ctx, "mask").get()
         if ctx.low == 0.0:
             out = grad.masked_fill(~mask, 0.0)
         else:
@@ -653,7 +669,7 @@ class _ReLU(torch.autograd.Function):
     def backward(ctx, grad):
         _check_double_backward()
         # PyTorch's own ReLU backward on the dequantized output (whose zeros are exact)
-        y = ctx.y.get()
+        y = _take(ctx, "y").get()
         if y.dtype == torch.bool:  # the allocator kept only the mask
             return grad * y, None, None, None
         return torch.ops.aten.threshold_backward(grad, y, 0.0), None, None, None
@@ -676,7 +692,7 @@ class _Dropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _check_double_backward()
-        noise = ctx.mask.get().to(grad.dtype).div_(ctx.scale)
+        noise = _take(ctx, "mask").get().to(grad.dtype).div_(ctx.scale)
         return grad * noise, None, None, None
 
 
@@ -694,7 +710,7 @@ class _SavedDerivative(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _check_double_backward()
-        return grad * ctx.d.get(), None, None, None, None
+        return grad * _take(ctx, "d").get(), None, None, None, None
 
 
 class _Softmax(torch.autograd.Function):
@@ -713,10 +729,10 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _check_double_backward()
-        y2 = ctx.y2.get()
+        y1, y2 = _take(ctx, "y1"), _take(ctx, "y2").get()
         inner = (grad * y2).sum(ctx.dim, keepdim=True)
         del y2
-        out = ctx.y1.get() * (grad - inner)
+        out = y1.get() * (grad - inner)
         return out.to(ctx.in_dtype), None, None, None, None
 
 
@@ -739,7 +755,7 @@ class _MaxPool(torch.autograd.Function):
     def backward(ctx, grad):
         _check_double_backward()
         dims, kernel, stride, padding, dilation, ceil_mode = ctx.args
-        offsets = ctx.offsets.get()
+        offsets = _take(ctx, "offsets").get()
         idx = _indices_from_offsets(offsets, ctx.spatial, kernel, stride, padding, dilation)
         shape_only = torch.zeros((), dtype=ctx.in_dtype, device=grad.device).expand(ctx.in_shape)
         backward = (torch.ops.aten.max_pool2d_with_indices_backward if dims == 2

@@ -1,5 +1,7 @@
 """The ordered convolution backward: PyTorch's gradients, one activation-sized tensor less."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -110,3 +112,51 @@ def test_ordered_conv_backward_frees_the_input_before_its_gradient(mode, monkeyp
 def test_the_estimate_sees_the_ordered_backward_as_measured(monkeypatch):
     measured = _peak("measure", True, monkeypatch)
     assert abs(_peak("estimate", True, monkeypatch) - measured) <= 0.01 * measured
+
+
+# -- packed values are freed as backward moves down -------------------------------------------
+
+
+def _relu_nodes(loss):
+    seen, todo, found = set(), [loss.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "_ReLUBackward":
+            found.append(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _relu_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(8 * 8 * 8, 4), nn.ReLU())
+
+
+def test_packed_values_are_released_by_backward_not_when_the_graph_dies():
+    model, x = _relu_net(), torch.randn(4, 3, 16, 16)
+    with actune.compressed("u2"):
+        loss = model(x).square().sum()
+    nodes = _relu_nodes(loss)
+    assert len(nodes) == 3
+    packed = [weakref.ref(node.y) for node in nodes]
+    loss.backward()
+    assert all(ref() is None for ref in packed)  # freed while ``loss`` keeps the graph alive
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+def test_retain_graph_keeps_packed_values_for_a_second_backward():
+    model, x = _relu_net(), torch.randn(4, 3, 16, 16)
+    with actune.compressed("u2"):
+        loss = model(x).square().sum()
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss.backward()
+    for a, p in zip(first, model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, a)
