@@ -647,8 +647,13 @@ def _conv_args(func, args, kwargs):
     if (x.numel() < LEAN_CONV_NUMEL or not isinstance(weight, torch.Tensor)
             or isinstance(padding, str) or x.dim() != weight.dim()):
         return None
-    return (x, weight, _arg(args, kwargs, 2, "bias", None), _arg(args, kwargs, 3, "stride", 1),
-            padding, _arg(args, kwargs, 5, "dilation", 1), _arg(args, kwargs, 6, "groups", 1))
+    tensors = (x, weight, _arg(args, kwargs, 2, "bias", None))
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # cast as autocast casts a convolution's arguments
+        dtype = torch.get_autocast_dtype(device)
+        tensors = tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in tensors)
+    return (*tensors, _arg(args, kwargs, 3, "stride", 1), padding,
+            _arg(args, kwargs, 5, "dilation", 1), _arg(args, kwargs, 6, "groups", 1))
 
 
 class _ReLU(torch.autograd.Function):

@@ -160,3 +160,23 @@ def test_retain_graph_keeps_packed_values_for_a_second_backward():
     loss.backward()
     for a, p in zip(first, model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, a)
+
+
+def test_the_ordered_conv_follows_autocast(monkeypatch):
+    conv = nn.Conv2d(4, 8, 3, padding=1)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    grads = []
+    for lean in (True, False):
+        monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0 if lean else 2**62)
+        conv.zero_grad()
+        x.grad = None
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16), actune.compressed("u4"):
+            out = conv(x)
+        assert out.dtype == torch.bfloat16
+        assert (type(out.grad_fn).__name__ == "_ConvBackward") == lean
+        out.float().square().sum().backward()
+        grads.append((x.grad, conv.weight.grad, conv.bias.grad))
+    for a, b in zip(*grads, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
