@@ -114,3 +114,29 @@ def test_measured_peaks_are_predicted_from_too():
     assert [p.size for p in result.probes] == [8, 16, 195, 194]
     bisect = largest_fitting(lambda n: Probe(n, peak(n) <= budget), start=8)
     assert bisect.value == 194 and len(bisect.probes) == 13
+
+
+# Estimated peaks of ResNet-50 at L3, 224x224 (`actune maxbatch --model resnet50 --budget
+# 16GiB`): small batches peak in backward, large ones in forward, so the line through the
+# first two probes overshoots; answer 1,172.
+RESNET50_L3 = {8: 410724072, 16: 515435240, 1171: 17162261224, 1172: 17176739048,
+               1173: 17191221992, 1230: 18016651496, 1289: 18871053032}
+
+
+def test_two_adjacent_fitting_sizes_give_the_local_slope():
+    """Once a prediction and the size after it both fit, the line through those two (the
+    slope where the answer is) predicts the last step; no bisection of the bracket."""
+    sizes = sorted(RESNET50_L3)
+
+    def peak(n: int) -> int:
+        if n in RESNET50_L3:
+            return RESNET50_L3[n]
+        a = max(s for s in sizes if s < n)
+        b = min(s for s in sizes if s > n)
+        return RESNET50_L3[a] + (RESNET50_L3[b] - RESNET50_L3[a]) * (n - a) // (b - a)
+
+    budget = 16 << 30
+    result = largest_fitting(lambda n: Probe(n, peak(n) <= budget, peak(n)), start=8,
+                             budget=budget)
+    assert result.value == 1172
+    assert [p.size for p in result.probes] == [8, 16, 1289, 1171, 1172, 1173]

@@ -112,10 +112,11 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
     """Predict the largest fitting size from peaks (regula falsi).
 
     A line through the two largest fitting probes is extrapolated to the budget; once a size
-    does not fit, the line runs between the two ends of the bracket. A prediction that fits is
-    checked by probing the next size; an end that moves twice running without closing the
-    bracket is followed by a bisection. Returns the (lo, hi) bracket reached (hi None: nothing
-    failed yet, the caller grows geometrically).
+    does not fit, the line runs between the two ends of the bracket, or between two
+    neighbouring sizes that both fit (the local slope, exact where peaks bend). A prediction
+    that fits is checked by probing the next size; an end that moves twice running without
+    closing the bracket is followed by a bisection. Returns the (lo, hi) bracket reached (hi
+    None: nothing failed yet, the caller grows geometrically).
     """
     fit = [(lo, probe(lo).peak)]
     hi = hi_peak = None
@@ -134,11 +135,15 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
         if maximum is not None and lo >= maximum:
             return lo, None
         line = None
-        if hi is not None and hi_peak is not None:
+        adjacent = len(fit) > 1 and fit[-1][0] - fit[-2][0] == step
+        if adjacent:  # two neighbouring sizes fit: the slope where the answer is
+            line = (fit[-2], fit[-1])
+        elif hi is not None and hi_peak is not None:
             line = (fit[-1], (hi, hi_peak))
         elif hi is None and len(fit) > 1:
             line = (fit[-2], fit[-1])
-        stalled = hi is not None and len(moves) >= 2 and moves[-1] == moves[-2] and not check
+        stalled = (hi is not None and len(moves) >= 2 and moves[-1] == moves[-2] and not check
+                   and not adjacent)
         if check:
             guess = lo + step
         elif line is None or line[0][1] == line[1][1] or stalled:
