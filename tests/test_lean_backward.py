@@ -117,14 +117,15 @@ def test_the_estimate_sees_the_ordered_backward_as_measured(monkeypatch):
 # -- packed values are freed as backward moves down -------------------------------------------
 
 
-def _relu_nodes(loss):
+def _nodes(loss, name: str = "_ReLUBackward"):
+    """The nodes of ``loss``'s graph whose type is ``name``."""
     seen, todo, found = set(), [loss.grad_fn], []
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ == "_ReLUBackward":
+        if type(node).__name__ == name:
             found.append(node)
         todo.extend(n for n, _ in node.next_functions)
     return found
@@ -141,7 +142,7 @@ def test_packed_values_are_released_by_backward_not_when_the_graph_dies():
     model, x = _relu_net(), torch.randn(4, 3, 16, 16)
     with actune.compressed("u2"):
         loss = model(x).square().sum()
-    nodes = _relu_nodes(loss)
+    nodes = _nodes(loss)
     assert len(nodes) == 3
     packed = [weakref.ref(node.y) for node in nodes]
     loss.backward()
@@ -180,3 +181,25 @@ def test_the_ordered_conv_follows_autocast(monkeypatch):
     for a, b in zip(*grads, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_mixed_precision_statistics_steps_run_through_the_ordered_conv(monkeypatch):
+    """L3's allocator (statistics steps, bits per sample) sees the ordered convolution's saved
+    input like any other: training runs and its slots are allocated."""
+    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    actune.compress(model, "L3", every=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 3, 12, 12), torch.randint(0, 4, (16,))
+    for _ in range(5):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        assert len(_nodes(loss, "_ConvBackward")) == 2
+        loss.backward()
+        opt.step()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    ap = actune.autoprec_of(model)
+    assert ap.steps == 5 and ap.reallocations >= 2
