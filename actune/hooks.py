@@ -632,10 +632,10 @@ class _Conv(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
-#: Convolutions whose input has fewer elements run PyTorch's own backward: the memory the
-#: ordered backward saves is small there, and its Python overhead (about 0.1 ms a call on
-#: the CPU) is not.
-LEAN_CONV_NUMEL = 1 << 20
+#: Convolutions whose input has fewer elements run PyTorch's own backward, and smaller
+#: derivatives are computed whole: the memory the ordered backward (or the chunks) save is
+#: small there, and their Python overhead (about 0.1 ms a call on the CPU) is not.
+LEAN_NUMEL = 1 << 20
 
 
 def _conv_args(func, args, kwargs):
@@ -644,7 +644,7 @@ def _conv_args(func, args, kwargs):
     own)."""
     x, weight = args[0], _arg(args, kwargs, 1, "weight", None)
     padding = _arg(args, kwargs, 4, "padding", 0)
-    if (x.numel() < LEAN_CONV_NUMEL or not isinstance(weight, torch.Tensor)
+    if (x.numel() < LEAN_NUMEL or not isinstance(weight, torch.Tensor)
             or isinstance(padding, str) or x.dim() != weight.dim()):
         return None
     tensors = (x, weight, _arg(args, kwargs, 2, "bias", None))
@@ -702,12 +702,21 @@ class _Dropout(torch.autograd.Function):
 
 
 class _SavedDerivative(torch.autograd.Function):
-    """y = f(x) for elementwise f: saves f'(x), quantized, and returns grad * f'(x)."""
+    """y = f(x) for elementwise f: saves f'(x), quantized, and returns grad * f'(x).
+
+    A derivative of the input alone (GELU, SiLU) is computed and packed before ``y`` exists,
+    in chunks for large inputs, so ``x``, ``y`` and ``f'(x)`` are never alive in full together
+    (nor the temporaries of ``f'``)."""
 
     @staticmethod
-    def forward(ctx, x, fn, derivative, bits, session):
-        y = fn(x)
+    def forward(ctx, x, fn, derivative, bits, session, of_input):
         with torch.no_grad():
+            if of_input:
+                d = _in_chunks(derivative, x)
+                ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
+                del d
+                return fn(x)
+            y = fn(x)
             d = derivative(x, y)
         ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
         return y
@@ -715,7 +724,19 @@ class _SavedDerivative(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _check_double_backward()
-        return grad * _take(ctx, "d").get(), None, None, None, None
+        return grad * _take(ctx, "d").get(), None, None, None, None, None
+
+
+def _in_chunks(derivative, x: torch.Tensor, pieces: int = 8) -> torch.Tensor:
+    """``derivative(x, None)`` computed in ``pieces`` slices of a large dense ``x``: its
+    temporaries are a slice's size."""
+    if x.numel() < LEAN_NUMEL or not x.is_contiguous():
+        return derivative(x, None)
+    out = torch.empty_like(x)
+    size = -(-x.numel() // pieces)
+    for part, dst in zip(x.view(-1).split(size), out.view(-1).split(size), strict=True):
+        dst.copy_(derivative(part, None))
+    return out
 
 
 class _Softmax(torch.autograd.Function):
@@ -851,22 +872,29 @@ def _tuple(v, n):
 
 
 def _gelu_derivative(approximate: str):
+    """GELU's derivative, computed with two temporaries of the input's size (in place)."""
+
     def derivative(x, _y):
         if approximate == "tanh":
-            c = math.sqrt(2.0 / math.pi)
-            u = c * (x + 0.044715 * x.pow(3))
-            t = torch.tanh(u)
-            return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
-        cdf = 0.5 * (1 + torch.erf(x * (1 / math.sqrt(2.0))))
-        pdf = torch.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
-        return cdf + x * pdf
+            # 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2), t = tanh(c (x + k x^3))
+            c, k = math.sqrt(2.0 / math.pi), 0.044715
+            x2 = x.square()
+            t = x2.mul(k).add_(1).mul_(x).mul_(c).tanh_()  # tanh(c (x + k x^3))
+            x2.mul_(3 * k).add_(1).mul_(x).mul_(0.5 * c)  # 0.5 c x (1 + 3 k x^2)
+            x2.mul_(t.square().neg_().add_(1))
+            return t.add_(1).mul_(0.5).add_(x2)
+        # Phi(x) + x phi(x)
+        d = x.mul(1 / math.sqrt(2.0))
+        x_pdf = d.square().neg_().exp_().mul_(x).mul_(1 / math.sqrt(2 * math.pi))
+        return d.erf_().add_(1).mul_(0.5).add_(x_pdf)
 
     return derivative
 
 
 def _silu_derivative(x, _y):
+    """SiLU's derivative s (1 + x (1 - s)), s = sigmoid(x), with two temporaries."""
     s = torch.sigmoid(x)
-    return s * (1 + x * (1 - s))
+    return s.neg().add_(1).mul_(x).add_(1).mul_(s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1029,15 +1057,16 @@ class _FunctionMode(TorchFunctionMode):
         if func is F.gelu:
             approximate = _arg(args, kwargs, 1, "approximate", "none")
             return _SavedDerivative.apply(x, lambda t: F.gelu(t, approximate=approximate),
-                                          _gelu_derivative(approximate), bits, s)
+                                          _gelu_derivative(approximate), bits, s, True)
         if func is F.silu:
             if _arg(args, kwargs, 1, "inplace", False):
                 return None
-            return _SavedDerivative.apply(x, F.silu, _silu_derivative, bits, s)
+            return _SavedDerivative.apply(x, F.silu, _silu_derivative, bits, s, True)
         if func in _SIGMOID:
-            return _SavedDerivative.apply(x, torch.sigmoid, lambda _x, y: y * (1 - y), bits, s)
+            return _SavedDerivative.apply(x, torch.sigmoid, lambda _x, y: y * (1 - y), bits, s,
+                                          False)
         if func in _TANH:
-            return _SavedDerivative.apply(x, torch.tanh, lambda _x, y: 1 - y * y, bits, s)
+            return _SavedDerivative.apply(x, torch.tanh, lambda _x, y: 1 - y * y, bits, s, False)
         if func in _SOFTMAX:
             dim = _arg(args, kwargs, 1, "dim", None)
             if dim is None:

@@ -159,15 +159,21 @@ class _Block(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # attention and MLP in their own calls (as timm's blocks): each one's locals (q, k,
+        # v, the attention map) are freed when it returns
+        x = x + F.dropout(self._attention(self.norm1(x)), self.dropout, self.training)
+        return x + F.dropout(self._mlp(self.norm2(x)), self.dropout, self.training)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         h = self.heads
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
         attn = torch.softmax(q @ k.transpose(-2, -1) * (1.0 / math.sqrt(d // h)), dim=-1)
         attn = F.dropout(attn, self.dropout, self.training)
-        y = (attn @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + F.dropout(self.proj(y), self.dropout, self.training)
-        y = self.fc2(F.gelu(self.fc1(self.norm2(x))))
-        return x + F.dropout(y, self.dropout, self.training)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, d))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class SmallTransformer(nn.Module):

@@ -22,7 +22,7 @@ CASES = [  # (conv, input shape, kwargs)
 
 
 def _grads(func, shape, kw, bias, lean, monkeypatch):
-    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0 if lean else 2**62)
+    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0 if lean else 2**62)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_()
     dims = len(shape) - 2
@@ -48,7 +48,7 @@ def test_ordered_conv_backward_gives_pytorchs_gradients(func, shape, kw, bias, m
 
 
 def test_frozen_weights_and_inputs_without_gradients(monkeypatch):
-    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0)
+    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0)
     conv = nn.Conv2d(3, 4, 3, padding=1)
     conv.weight.requires_grad_(False)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
@@ -64,7 +64,7 @@ def test_frozen_weights_and_inputs_without_gradients(monkeypatch):
 
 
 def test_double_backward_through_the_ordered_conv_raises(monkeypatch):
-    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0)
+    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     conv = nn.Conv2d(3, 4, 3)
     with actune.compressed("L3"):
@@ -84,7 +84,7 @@ class _TwoConvs(nn.Module):
 
 
 def _peak(mode: str, lean: bool, monkeypatch) -> int:
-    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 2**20 if lean else 2**62)
+    monkeypatch.setattr(hooks, "LEAN_NUMEL", 2**20 if lean else 2**62)
 
     def build():
         torch.manual_seed(0)
@@ -168,7 +168,7 @@ def test_the_ordered_conv_follows_autocast(monkeypatch):
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     grads = []
     for lean in (True, False):
-        monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0 if lean else 2**62)
+        monkeypatch.setattr(hooks, "LEAN_NUMEL", 0 if lean else 2**62)
         conv.zero_grad()
         x.grad = None
         torch.manual_seed(0)
@@ -186,7 +186,7 @@ def test_the_ordered_conv_follows_autocast(monkeypatch):
 def test_mixed_precision_statistics_steps_run_through_the_ordered_conv(monkeypatch):
     """L3's allocator (statistics steps, bits per sample) sees the ordered convolution's saved
     input like any other: training runs and its slots are allocated."""
-    monkeypatch.setattr(hooks, "LEAN_CONV_NUMEL", 0)
+    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
@@ -203,3 +203,56 @@ def test_mixed_precision_statistics_steps_run_through_the_ordered_conv(monkeypat
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     ap = actune.autoprec_of(model)
     assert ap.steps == 5 and ap.reallocations >= 2
+
+
+# -- derivatives: computed in place, in chunks, packed before the output exists ---------------
+
+
+@pytest.mark.parametrize(("fn", "derivative"), [
+    (F.gelu, hooks._gelu_derivative("none")),
+    (lambda t: F.gelu(t, approximate="tanh"), hooks._gelu_derivative("tanh")),
+    (F.silu, hooks._silu_derivative),
+])
+def test_derivatives_are_pytorchs(fn, derivative, monkeypatch):
+    x = torch.linspace(-8, 8, 4001, dtype=torch.float64, requires_grad=True)
+    fn(x).sum().backward()
+    before = x.detach().clone()
+    whole = derivative(x.detach(), None)
+    torch.testing.assert_close(whole, x.grad, rtol=1e-12, atol=1e-12)
+    assert torch.equal(x.detach(), before)  # the input is read, never written
+    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0)
+    chunked = hooks._in_chunks(derivative, x.detach(), pieces=7)  # SIMD tails may differ
+    torch.testing.assert_close(chunked, whole, rtol=1e-14, atol=1e-15)
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _mlp_peak(mode: str, lean: bool, monkeypatch) -> int:
+    monkeypatch.setattr(hooks, "LEAN_NUMEL", 2**16 if lean else 2**62)
+
+    def build():
+        torch.manual_seed(0)
+        model = _MLP()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def forward(model, _opt, batch, _sink):  # the forward pass alone: where GELU peaks
+        x = torch.randn(batch, 16, 64)
+        with actune.compressed("u2"):
+            model(x)
+
+    return StepMeter(build, forward, mode).peak(64).total
+
+
+@pytest.mark.parametrize("mode", ["measure", "estimate"])
+def test_a_large_derivative_is_computed_in_chunks(mode, monkeypatch):
+    hidden = 64 * 16 * 256 * 4  # the GELU's input, float32
+    whole, chunked = _mlp_peak(mode, False, monkeypatch), _mlp_peak(mode, True, monkeypatch)
+    # whole: its input and two temporaries of its size; in chunks: the input and f'(x)
+    assert whole - chunked >= 0.5 * hidden
