@@ -9,8 +9,8 @@
 # 3. where a compressed step's time goes (scripts/gpu_profile.py: host vs GPU time, syncs);
 # 4. estimated against measured peak per level (ResNet-50, batch 64, 224x224);
 # 5. bench L0-L5 on ResNet-50 (batch 64, 224x224);
-# 6. actune maxbatch --mode measure at L0 and L3 on ResNet-50 under 16 GiB (real OOMs,
-#    subprocess probes);
+# 6. actune maxbatch --mode measure at L3 and L0 on ResNet-50 under 16 GiB (real OOMs,
+#    subprocess probes; L3 first: each finished level is written at once);
 # 7. training on digits at L0, u2, L3 and 1.25 bits on the GPU.
 # Runs from a checkout without installing: PYTHONPATH points at it, PYTHON (default python3)
 # is the interpreter that holds torch.
@@ -86,7 +86,7 @@ section profile 45 "$PY" scripts/gpu_profile.py
 section estimate_vs_measured 90 estimate_vs_measured
 section bench 110 actune bench --model resnet50 --resolution 224 --batch 64 --levels L0-L5 \
     --steps 5 --warmup 2 --json "$out/bench.json"
-section maxbatch_measure 100 actune maxbatch --model resnet50 --levels L0,L3 --mode measure \
+section maxbatch_measure 100 actune maxbatch --model resnet50 --levels L3,L0 --mode measure \
     --budget 16GiB --json "$out/maxbatch_measure.json"
 section train 35 actune train --device cuda --levels L0,u2,L3,1.25b --epochs 3 \
     --json "$out/train.json"
