@@ -164,6 +164,15 @@ class _Saved:
     def nbytes(self) -> int:
         return self.packed.nbytes
 
+    def fresh(self) -> torch.Tensor:
+        """:meth:`get` as a tensor nothing else holds, which the caller may overwrite."""
+        shared = self.unpacked() if self.unpacked is not None else None
+        out = self.get()
+        if shared is None and not isinstance(self.packed, torch.Tensor):
+            self.unpacked = None  # dequantized for this caller alone
+            return out
+        return out.clone()
+
     def get(self) -> torch.Tensor:
         if torch.is_grad_enabled():
             raise DoubleBackwardError(_DOUBLE_BACKWARD)
@@ -724,7 +733,9 @@ class _SavedDerivative(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _check_double_backward()
-        return grad * _take(ctx, "d").get(), None, None, None, None, None
+        d = _take(ctx, "d").fresh()
+        out = d.mul_(grad) if d.dtype == grad.dtype else grad * d  # in place: one tensor less
+        return out, None, None, None, None, None
 
 
 def _in_chunks(derivative, x: torch.Tensor, pieces: int = 8) -> torch.Tensor:

@@ -256,3 +256,26 @@ def test_a_large_derivative_is_computed_in_chunks(mode, monkeypatch):
     whole, chunked = _mlp_peak(mode, False, monkeypatch), _mlp_peak(mode, True, monkeypatch)
     # whole: its input and two temporaries of its size; in chunks: the input and f'(x)
     assert whole - chunked >= 0.5 * hidden
+
+
+def test_gelu_backward_in_place_keeps_retain_graph_exact():
+    """The derivative's dequantized copy becomes the input gradient; a retained graph
+    dequantizes it again for a second backward, which gives the same gradients."""
+    model, x = _MLP(), torch.randn(8, 16, 64)
+    with actune.compressed("u4"):
+        loss = model(x).square().sum()
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss.backward()
+    for a, p in zip(first, model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, a, rtol=0, atol=0)
+    with actune.compressed("u8"), torch.random.fork_rng():
+        loss = model(x).square().sum()
+    model.zero_grad()
+    loss.backward()
+    compressed = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for a, p in zip(compressed, model.parameters(), strict=True):  # 8 bits: close to exact
+        torch.testing.assert_close(a, p.grad, rtol=0.05, atol=0.05 * p.grad.abs().max().item())
