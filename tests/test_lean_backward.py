@@ -279,3 +279,23 @@ def test_gelu_backward_in_place_keeps_retain_graph_exact():
     model(x).square().sum().backward()
     for a, p in zip(compressed, model.parameters(), strict=True):  # 8 bits: close to exact
         torch.testing.assert_close(a, p.grad, rtol=0.05, atol=0.05 * p.grad.abs().max().item())
+
+
+def test_a_fresh_copy_is_never_shared():
+    """``fresh()`` hands out a dequantized tensor nobody else holds: a copy when another node
+    holds the dequantized value, and never the stored tensor itself."""
+    saved = hooks._Saved(actune.quantize(torch.randn(4, 256), 4), offload=False)
+    with torch.no_grad():
+        held = saved.get()
+        mine = saved.fresh()
+        assert mine is not held and torch.equal(mine, held)
+        mine.zero_()
+        assert held.abs().sum() > 0 and saved.get() is held
+        del held
+        alone = saved.fresh()
+        assert saved.unpacked is None  # not left for others to find
+        kept = hooks._Saved(torch.arange(4.0), offload=False)
+        copy = kept.fresh()
+        copy.zero_()
+        assert torch.equal(kept.get(), torch.arange(4.0))
+    assert alone.shape == (4, 256)
