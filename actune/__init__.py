@@ -2,9 +2,10 @@
 
 from actune.autoprec import AutoPrecision, allocate
 from actune.convert import autoprec_of, compress, decompress, is_compressed, summary
-from actune.hooks import CompressionStats, DoubleBackwardError, compressed
+from actune.hooks import CompressionStats, compressed
 from actune.levels import LEVELS, Level, get_level, parse_levels
 from actune.quant import PackedMask, PackedTensor, dequantize, pack_mask, quantize, unpack_mask
+from actune.saved import DoubleBackwardError
 
 __version__ = "0.1.0"
 

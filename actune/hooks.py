@@ -25,13 +25,15 @@ Inside ``with actune.compressed("L3"):`` two public PyTorch mechanisms work toge
 Parameters (and their autocast copies) stay references; a storage saved by several ops is
 packed once; boolean masks take 1 bit; tensors with fewer than ``level.min_numel`` elements are
 kept. Double backward (``create_graph=True``) raises: the saved values are not differentiable.
+
+This module holds the session (levels, the packed-storage cache, the statistics) and the
+routing; the functions that stand in for ops are in :mod:`actune.substitutes`, and what is
+kept for one saved tensor (device or host, and how it comes back) in :mod:`actune.saved`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import dataclasses
 import functools
 import math
 import threading
@@ -46,31 +48,28 @@ from torch.overrides import TorchFunctionMode
 
 from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level, get_level
-from actune.quant import (
-    PackedMask,
-    PackedRows,
-    PackedSamples,
-    PackedTensor,
-    dequantize,
-    dequantize_samples,
-    pack_mask,
-    quantize,
-    quantize_samples,
-    unpack_mask,
+from actune.quant import PackedMask, pack_mask, quantize, quantize_samples
+from actune.saved import Saved
+from actune.substitutes import (
+    MaskedDropout,
+    MaskedLinear,
+    OffsetMaxPool,
+    OrderedConv,
+    PackedReLU,
+    SavedDerivative,
+    TwoCopySoftmax,
+    arg,
+    as_tuple,
+    conv_args,
+    gelu_derivative,
+    inside,
+    positive_after,
+    positive_before,
+    silu_derivative,
 )
 
-__all__ = ["CompressionStats", "DoubleBackwardError", "compressed"]
+__all__ = ["CompressionStats", "compressed", "shared_cache"]
 
-
-class DoubleBackwardError(RuntimeError):
-    """Raised when backward is differentiated again through compressed activations."""
-
-
-_DOUBLE_BACKWARD = (
-    "actune: double backward (create_graph=True) through compressed activations is not "
-    "supported: the saved activations were quantized and are not differentiable. Run this "
-    "step without actune.compressed / actune.compress, or at level L0."
-)
 
 # Which ops' saved tensors are quantized, and with which of the level's bit widths.
 _MATMUL = "matmul"
@@ -91,150 +90,6 @@ class CompressionStats:
     @property
     def ratio(self) -> float:
         return self.saved_bytes / self.kept_bytes if self.kept_bytes else 1.0
-
-
-_SIMULATE_OFFLOAD = contextvars.ContextVar("actune_simulate_offload", default=False)
-
-
-@contextlib.contextmanager
-def simulated_offload() -> Iterator[None]:
-    """For estimates on the CPU: offloading levels put their packed buffers on the ``meta``
-    device, so a memory tracker counts them apart from the device, as host memory."""
-    token = _SIMULATE_OFFLOAD.set(True)
-    try:
-        yield
-    finally:
-        _SIMULATE_OFFLOAD.reset(token)
-
-
-class _Saved:
-    """What the pack hook returns for a compressed tensor.
-
-    With offload on CUDA the packed buffers go to pinned host memory (copied on the current
-    stream); in backward, reading one starts copying the one packed before it (the next that
-    backward needs) back to the device on a side stream, so transfers overlap compute.
-    """
-
-    __slots__ = ("__weakref__", "device", "fetch", "host", "packed", "prev", "ready", "slot",
-                 "unpacked")
-
-    def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool,
-                 prev: _Saved | None = None) -> None:
-        self.packed = packed
-        self.device = packed.device
-        simulate = offload and _SIMULATE_OFFLOAD.get()
-        self.host = offload and (packed.device.type == "cuda" or simulate)
-        self.prev = prev if self.host and not simulate else None
-        self.ready = self.fetch = None
-        if simulate:
-            self.packed = _to_device(packed, torch.device("meta"))
-        elif self.host:  # pinned host copies, copied asynchronously on the current stream
-            self.packed = _to_device(packed, torch.device("cpu"), pin=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        self.unpacked: weakref.ref | None = None
-        self.slot: int | None = None  # the allocator's slot, when bits were allocated
-
-    def prefetch(self) -> None:
-        """Start copying the host buffers back to the device on a side stream."""
-        if self.fetch is not None or self.ready is None:
-            return
-        side = _side_stream(self.device)
-        side.wait_event(self.ready)  # the forward's device-to-host copy is complete
-        with torch.cuda.stream(side):
-            packed = _to_device(self.packed, self.device)
-            done = torch.cuda.Event()
-            done.record(side)
-        self.fetch = (packed, done)
-
-    def _from_host(self):
-        if self.fetch is None:
-            self.prefetch()
-        packed, done = self.fetch
-        self.fetch = None
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(done)
-        for t in _tensors(packed):  # allocated on the side stream, used on this one
-            t.record_stream(current)
-        if self.prev is not None:
-            self.prev.prefetch()
-        return packed
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.nbytes
-
-    def fresh(self) -> torch.Tensor:
-        """:meth:`get` as a tensor nothing else holds, which the caller may overwrite."""
-        shared = self.unpacked() if self.unpacked is not None else None
-        out = self.get()
-        if shared is None and not isinstance(self.packed, torch.Tensor):
-            self.unpacked = None  # dequantized for this caller alone
-            return out
-        return out.clone()
-
-    def get(self) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            raise DoubleBackwardError(_DOUBLE_BACKWARD)
-        out = self.unpacked() if self.unpacked is not None else None
-        if out is None:  # not alive in another node: dequantize
-            if self.host and self.ready is None:  # simulated offload (estimates)
-                packed = _to_device(self.packed, self.device)
-            else:
-                packed = self._from_host() if self.host else self.packed
-            if isinstance(packed, torch.Tensor):
-                return packed
-            if isinstance(packed, PackedMask):
-                out = unpack_mask(packed)
-            elif isinstance(packed, PackedSamples | PackedRows):
-                out = dequantize_samples(packed)
-            else:
-                out = dequantize(packed)
-            self.unpacked = weakref.ref(out)
-        return out
-
-
-_SIDE_STREAMS: dict[torch.device, object] = {}
-
-
-def _side_stream(device: torch.device):
-    """One side stream per device for prefetching offloaded activations."""
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
-
-
-def _tensors(p) -> tuple[torch.Tensor, ...]:
-    if isinstance(p, torch.Tensor):
-        return (p,)
-    if isinstance(p, PackedMask):
-        return (p.bits8,)
-    if isinstance(p, PackedSamples):
-        return tuple(t for idx, part in p.parts for t in (idx, *_tensors(part)))
-    if isinstance(p, PackedRows):
-        return (p.codes, p.meta, p.row_bits, p.row_offset)
-    return (p.codes, p.meta)
-
-
-def _to_device(p, device: torch.device, pin: bool = False):
-    def move(t: torch.Tensor) -> torch.Tensor:
-        if pin:
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-        return t.to(device, non_blocking=True)
-
-    if isinstance(p, torch.Tensor):
-        return move(p)
-    if isinstance(p, PackedMask):
-        return PackedMask(move(p.bits8), p.shape)
-    if isinstance(p, PackedSamples):
-        return dataclasses.replace(p, parts=tuple((move(idx), _to_device(part, device, pin))
-                                                  for idx, part in p.parts))
-    if isinstance(p, PackedRows):
-        return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta),
-                                   row_bits=move(p.row_bits), row_offset=move(p.row_offset))
-    return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta))
 
 
 def _is_parameter_like(t: torch.Tensor) -> bool:
@@ -264,7 +119,7 @@ class _Session:
         self.kind: str | None = None
         self.cache: dict[tuple, object] = {}
         self.seen: dict[tuple, StorageWeakRef] = {}
-        self.last_offloaded: _Saved | None = None
+        self.last_offloaded: Saved | None = None
         self.stats = CompressionStats()
         self.autoprec: AutoPrecision | None = None
         self.touched: list[int] | None = None  # allocator slots read by the op being run
@@ -322,7 +177,7 @@ class _Session:
 
     @staticmethod
     def unpack_hook(saved: object) -> torch.Tensor:
-        return saved.get() if isinstance(saved, _Saved) else saved
+        return saved.get() if isinstance(saved, Saved) else saved
 
     # -- accounting: what autograd would keep (each storage once) and what is kept instead --
 
@@ -345,14 +200,14 @@ class _Session:
                                            + t.numel() * t.element_size())
         return t
 
-    def _new(self, packed) -> _Saved:
+    def _new(self, packed) -> Saved:
         """A saved value; offloaded ones are chained in packing order for prefetching."""
-        saved = _Saved(packed, self.level.offload, self.last_offloaded)
+        saved = Saved(packed, self.level.offload, self.last_offloaded)
         if saved.ready is not None:
             self.last_offloaded = saved
         return saved
 
-    def _hold(self, saved: _Saved, kind: str, replaces: tuple = ()) -> _Saved:
+    def _hold(self, saved: Saved, kind: str, replaces: tuple = ()) -> Saved:
         """Account ``saved`` as kept (and the tensors it ``replaces`` as what PyTorch kept)."""
         for r in replaces:
             self.count(r)
@@ -363,20 +218,20 @@ class _Session:
 
     # -- the packed-storage cache ----------------------------------------------------------
 
-    def _cached(self, key: tuple) -> _Saved | None:
+    def _cached(self, key: tuple) -> Saved | None:
         entry = self.cache.get(key)
         if entry is None:
             return None
         alive, saved = entry
         return None if alive.expired() else saved  # a freed storage's address can come back
 
-    def _remember(self, t: torch.Tensor, bits: int | None, saved: _Saved,
+    def _remember(self, t: torch.Tensor, bits: int | None, saved: Saved,
                   bumps: int = 0) -> None:
         key = _storage_key(t)
         key = (*key[:-1], key[-1] + bumps, bits)
         self.cache[key] = (StorageWeakRef(t.untyped_storage()), saved)
 
-    def _pack_allocated(self, t: torch.Tensor, kind: str) -> _Saved:
+    def _pack_allocated(self, t: torch.Tensor, kind: str) -> Saved:
         """Pack with the bits the allocator gives this slot (found in the cache if the storage
         was packed already: this op reads that slot too)."""
         found = self._cached((*_storage_key(t), _ALLOCATED))
@@ -409,7 +264,7 @@ class _Session:
         if self.touched is not None and slot is not None:
             self.touched.append(slot)
 
-    def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> _Saved:
+    def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> Saved:
         found = self._cached((*_storage_key(t), bits))
         if found is not None:
             return found
@@ -421,7 +276,7 @@ class _Session:
 
     def pack_value(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = (),
                    share_as: torch.Tensor | None = None, zero_code: bool = False,
-                   dirty: bool = False, reads: bool = True) -> _Saved:
+                   dirty: bool = False, reads: bool = True) -> Saved:
         """Pack ``t`` in place of the tensors ``replaces`` that PyTorch's op would save; with
         ``share_as``, later savers of that tensor reuse this packed copy (``dirty``: the
         function marks it dirty, which bumps its version once more after forward). ``reads``:
@@ -441,11 +296,11 @@ class _Session:
             self._remember(share_as, bits, saved, bumps=int(dirty))
         return saved
 
-    def pack_small_ints(self, values: torch.Tensor, kind: str, replaces: tuple = ()) -> _Saved:
+    def pack_small_ints(self, values: torch.Tensor, kind: str, replaces: tuple = ()) -> Saved:
         """Integers in [0, 256) kept exactly in one byte each."""
         return self._hold(self._new(values.to(torch.uint8)), kind, replaces)
 
-    def pack_bool(self, mask: torch.Tensor, kind: str, replaces: tuple = ()) -> _Saved:
+    def pack_bool(self, mask: torch.Tensor, kind: str, replaces: tuple = ()) -> Saved:
         return self._hold(self._new(pack_mask(mask)), kind, replaces)
 
     # -- entering and leaving ------------------------------------------------------------
@@ -545,369 +400,6 @@ def _needs_grad(*tensors) -> bool:
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _check_double_backward() -> None:
-    if torch.is_grad_enabled():
-        raise DoubleBackwardError(_DOUBLE_BACKWARD)
-
-
-_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
-
-
-def _take(ctx, name: str):
-    """What a substituted function's forward kept on ``ctx`` as ``name``, let go once read
-    unless the graph is retained (``retain_graph=True``): autograd's own lifetime for saved
-    tensors, so packed values are freed as backward moves down, not when it ends."""
-    value = getattr(ctx, name)
-    if value is None:
-        raise RuntimeError("Trying to backward through the graph a second time: its packed "
-                           "values were freed. Pass retain_graph=True to the first backward.")
-    if not _keep_graph():
-        setattr(ctx, name, None)
-    return value
-
-
-class _MaskedLinear(torch.autograd.Function):
-    """y = f(x) whose derivative is piecewise constant: saves a 1-bit mask.
-
-    ``mask_of(x, y)`` gives where the slope is 1; elsewhere it is ``low`` (0 for ReLU and
-    hardtanh, the negative slope for leaky ReLU), so the gradient is exactly PyTorch's.
-    """
-
-    @staticmethod
-    def forward(ctx, x, fn, mask_of, low, inplace, session):
-        mask = mask_of(x, None) if inplace else None
-        y = fn(x)
-        if mask is None:
-            mask = mask_of(x, y)
-        ctx.mask = session.pack_bool(mask, "mask", replaces=(y if low == 0.0 else x,))
-        ctx.low = low
-        if inplace:
-            ctx.mark_dirty(x)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        _check_double_backward()
-        mask = _take(ctx, "mask").get()
-        if ctx.low == 0.0:
-            out = grad.masked_fill(~mask, 0.0)
-        else:
-            out = torch.where(mask, grad, grad * ctx.low)
-        return out, None, None, None, None, None
-
-
-class _Conv(torch.autograd.Function):
-    """A convolution whose backward needs one activation-sized tensor at a time.
-
-    PyTorch's convolution backward holds the dequantized input and the input gradient
-    together. This one computes the weight (and bias) gradient first, frees the dequantized
-    input, and then computes the input gradient as the transposed convolution of the output
-    gradient (the same kernel, the same values), which needs no input at all. Its saved input
-    goes through the saved-tensor hooks like any other (packed once, shared with the ReLU or
-    the other convolution that saved the same storage, offloaded at L4/L5)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
-        n = weight.dim() - 2
-        stride, padding, dilation = _tuple(stride, n), _tuple(padding, n), _tuple(dilation, n)
-        ctx.conf = (stride, padding, dilation, groups)
-        ctx.bias_sizes = None if bias is None else list(bias.shape)
-        ctx.save_for_backward(x, weight)
-        y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False,
-                                       [0] * n, groups)
-        # the rows and columns of the input the strided windows never reach
-        ctx.output_padding = [
-            size - ((out - 1) * st + dil * (k - 1) + 1 - 2 * pad)
-            for size, out, k, st, pad, dil in zip(x.shape[2:], y.shape[2:], weight.shape[2:],
-                                                  stride, padding, dilation, strict=True)]
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        _check_double_backward()
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        stride, padding, dilation, groups = ctx.conf
-        n = len(stride)
-        x, weight = ctx.saved_tensors
-        gw = gb = gx = None
-        if need_w or need_b:
-            _, gw, gb = torch.ops.aten.convolution_backward(
-                grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, [0] * n,
-                groups, [False, need_w, need_b])
-        del x  # the dequantized input is freed before the input gradient is allocated
-        if need_x:
-            gx = torch.ops.aten.convolution(grad, weight, None, stride, padding, dilation, True,
-                                            ctx.output_padding, groups)
-        return gx, gw, gb, None, None, None, None
-
-
-#: Convolutions whose input has fewer elements run PyTorch's own backward, and smaller
-#: derivatives are computed whole: the memory the ordered backward (or the chunks) save is
-#: small there, and their Python overhead (about 0.1 ms a call on the CPU) is not.
-LEAN_NUMEL = 1 << 20
-
-
-def _conv_args(func, args, kwargs):
-    """(x, weight, bias, stride, padding, dilation, groups) of a plain convolution call that
-    :class:`_Conv` should run, or None (small or unbatched input, string padding: PyTorch's
-    own)."""
-    x, weight = args[0], _arg(args, kwargs, 1, "weight", None)
-    padding = _arg(args, kwargs, 4, "padding", 0)
-    if (x.numel() < LEAN_NUMEL or not isinstance(weight, torch.Tensor)
-            or isinstance(padding, str) or x.dim() != weight.dim()):
-        return None
-    tensors = (x, weight, _arg(args, kwargs, 2, "bias", None))
-    device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast as autocast casts a convolution's arguments
-        dtype = torch.get_autocast_dtype(device)
-        tensors = tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in tensors)
-    return (*tensors, _arg(args, kwargs, 3, "stride", 1), padding,
-            _arg(args, kwargs, 5, "dilation", 1), _arg(args, kwargs, 6, "groups", 1))
-
-
-class _ReLU(torch.autograd.Function):
-    """ReLU whose output is packed once, with code 0 reserved for exact zeros: the same packed
-    copy serves the next layer (a convolution's saved input) and this backward's mask, which
-    is exact (``dequantize(y) > 0`` is ``y > 0``). No separate mask is stored."""
-
-    @staticmethod
-    def forward(ctx, x, inplace, bits, session):
-        y = torch.relu_(x) if inplace else torch.relu(x)
-        ctx.y = session.pack_value(y, bits, "relu", replaces=(y,), share_as=y, zero_code=True,
-                                   dirty=inplace, reads=False)
-        if inplace:
-            ctx.mark_dirty(x)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        _check_double_backward()
-        # PyTorch's own ReLU backward on the dequantized output (whose zeros are exact)
-        y = _take(ctx, "y").get()
-        if y.dtype == torch.bool:  # the allocator kept only the mask
-            return grad * y, None, None, None
-        return torch.ops.aten.threshold_backward(grad, y, 0.0), None, None, None
-
-
-class _Dropout(torch.autograd.Function):
-    """Dropout keeping its mask at 1 bit; the scale is PyTorch's (mask / (1 - p))."""
-
-    @staticmethod
-    def forward(ctx, x, p, inplace, session):
-        keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
-        noise = keep.to(x.dtype).div_(1 - p)
-        ctx.mask = session.pack_bool(keep, "mask", replaces=(noise,))
-        ctx.scale = 1 - p
-        if inplace:
-            ctx.mark_dirty(x)
-            return x.mul_(noise)
-        return x * noise
-
-    @staticmethod
-    def backward(ctx, grad):
-        _check_double_backward()
-        noise = _take(ctx, "mask").get().to(grad.dtype).div_(ctx.scale)
-        return grad * noise, None, None, None
-
-
-class _SavedDerivative(torch.autograd.Function):
-    """y = f(x) for elementwise f: saves f'(x), quantized, and returns grad * f'(x).
-
-    A derivative of the input alone (GELU, SiLU) is computed and packed before ``y`` exists,
-    in chunks for large inputs, so ``x``, ``y`` and ``f'(x)`` are never alive in full together
-    (nor the temporaries of ``f'``)."""
-
-    @staticmethod
-    def forward(ctx, x, fn, derivative, bits, session, of_input):
-        with torch.no_grad():
-            if of_input:
-                d = _in_chunks(derivative, x)
-                ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
-                del d
-                return fn(x)
-            y = fn(x)
-            d = derivative(x, y)
-        ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        _check_double_backward()
-        d = _take(ctx, "d").fresh()
-        out = d.mul_(grad) if d.dtype == grad.dtype else grad * d  # in place: one tensor less
-        return out, None, None, None, None, None
-
-
-def _in_chunks(derivative, x: torch.Tensor, pieces: int = 8) -> torch.Tensor:
-    """``derivative(x, None)`` computed in ``pieces`` slices of a large dense ``x``: its
-    temporaries are a slice's size."""
-    if x.numel() < LEAN_NUMEL or not x.is_contiguous():
-        return derivative(x, None)
-    out = torch.empty_like(x)
-    size = -(-x.numel() // pieces)
-    for part, dst in zip(x.view(-1).split(size), out.view(-1).split(size), strict=True):
-        dst.copy_(derivative(part, None))
-    return out
-
-
-class _Softmax(torch.autograd.Function):
-    """Softmax saving two independently rounded copies of its output: the backward
-    ``y1 * (g - sum(g * y2))`` is then unbiased although it is quadratic in y."""
-
-    @staticmethod
-    def forward(ctx, x, dim, dtype, bits, session):
-        y = torch.softmax(x, dim, dtype=dtype)
-        ctx.y1 = session.pack_value(y, bits, "softmax", replaces=(y,), share_as=y)
-        ctx.y2 = session.pack_value(y, bits, "softmax")
-        ctx.dim = dim
-        ctx.in_dtype = x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        _check_double_backward()
-        y1, y2 = _take(ctx, "y1"), _take(ctx, "y2").get()
-        inner = (grad * y2).sum(ctx.dim, keepdim=True)
-        del y2
-        out = y1.get() * (grad - inner)
-        return out.to(ctx.in_dtype), None, None, None, None
-
-
-class _MaxPool(torch.autograd.Function):
-    """Max pooling that keeps each output's argmax as an offset inside its window (uint8)
-    instead of int64 input indices; backward is PyTorch's own with the indices rebuilt."""
-
-    @staticmethod
-    def forward(ctx, x, dims, kernel, stride, padding, dilation, ceil_mode, session):
-        pool = F.max_pool2d if dims == 2 else F.max_pool3d
-        y, idx = pool(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
-        offsets, ctx.spatial = _window_offsets(idx, x.shape[-dims:], kernel, stride, padding,
-                                               dilation)
-        ctx.offsets = session.pack_small_ints(offsets, "maxpool", replaces=(x, idx))
-        ctx.args = (dims, kernel, stride, padding, dilation, ceil_mode)
-        ctx.in_shape, ctx.in_dtype = x.shape, x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        _check_double_backward()
-        dims, kernel, stride, padding, dilation, ceil_mode = ctx.args
-        offsets = _take(ctx, "offsets").get()
-        idx = _indices_from_offsets(offsets, ctx.spatial, kernel, stride, padding, dilation)
-        shape_only = torch.zeros((), dtype=ctx.in_dtype, device=grad.device).expand(ctx.in_shape)
-        backward = (torch.ops.aten.max_pool2d_with_indices_backward if dims == 2
-                    else torch.ops.aten.max_pool3d_with_indices_backward)
-        out = backward(grad, shape_only, kernel, stride, padding, dilation, ceil_mode, idx)
-        return out, None, None, None, None, None, None, None
-
-
-def _window_grid(out_shape, kernel, stride, padding):
-    grids = torch.meshgrid(*[torch.arange(n) * s - p
-                             for n, s, p in zip(out_shape, stride, padding, strict=True)],
-                           indexing="ij")
-    return grids
-
-
-def _window_offsets(idx, in_spatial, kernel, stride, padding, dilation):
-    """Flat input indices -> offset inside each window (row-major over the kernel)."""
-    if _numba_pool(idx, kernel):
-        from actune_kernels import pool
-
-        planes = idx.numel() // math.prod(idx.shape[-2:])
-        out = torch.empty((planes, math.prod(idx.shape[-2:])), dtype=torch.uint8)
-        pool.offsets_2d(idx.reshape(planes, *idx.shape[-2:]).numpy(), out.numpy(),
-                        in_spatial[-1], kernel, stride, padding, dilation)
-        return out.view(idx.shape), tuple(in_spatial)
-    # Elsewhere (GPU, fake tensors, 3-d): torch operations, in place on index-sized int32
-    # buffers (at most three alive besides the indices, for 3-d pooling; two for 2-d).
-    starts = [g.to(idx.device, torch.int32)
-              for g in _window_grid(idx.shape[-len(kernel):], kernel, stride, padding)]
-    rem = idx.to(torch.int32)  # plane indices fit; int32 halves the work
-    offset = None
-    scale = 1  # window positions per step of this dimension
-    for d in reversed(range(len(kernel))):
-        if d:
-            coord = torch.remainder(rem, in_spatial[d])
-            rem.div_(in_spatial[d], rounding_mode="floor")
-        else:
-            coord = rem  # what is left is the first coordinate
-        coord.sub_(starts[d])
-        if dilation[d] != 1:
-            coord.div_(dilation[d], rounding_mode="floor")
-        if scale != 1:
-            coord.mul_(scale)
-        offset = coord if offset is None else offset.add_(coord)
-        del coord
-        scale *= kernel[d]
-    return offset.to(torch.uint8), tuple(in_spatial)
-
-
-def _numba_pool(t: torch.Tensor, kernel) -> bool:
-    """The CPU kernels handle real 2-d CPU tensors; everything else uses torch operations."""
-    return len(kernel) == 2 and type(t) is torch.Tensor and t.device.type == "cpu"
-
-
-def _indices_from_offsets(offsets, in_spatial, kernel, stride, padding, dilation):
-    if _numba_pool(offsets, kernel):
-        from actune_kernels import pool
-
-        out_h, out_w = offsets.shape[-2:]
-        planes = offsets.numel() // (out_h * out_w)
-        idx = torch.empty(offsets.shape, dtype=torch.int64)
-        pool.indices_2d(offsets.reshape(planes, -1).contiguous().numpy(),
-                        idx.view(planes, -1).numpy(), in_spatial[-1], out_h, out_w, kernel,
-                        stride, padding, dilation)
-        return idx
-    # Elsewhere: torch operations, in place (one int32 buffer per pooled dimension).
-    starts = [g.to(offsets.device, torch.int32)
-              for g in _window_grid(offsets.shape[-len(kernel):], kernel, stride, padding)]
-    rem = offsets.to(torch.int32)
-    local = {}
-    for d in range(len(kernel) - 1, 0, -1):
-        local[d] = torch.remainder(rem, kernel[d])
-        rem.div_(kernel[d], rounding_mode="floor")
-    idx = rem  # the first dimension's position in its window
-    for d in range(len(kernel)):
-        loc = idx if d == 0 else local.pop(d)
-        if dilation[d] != 1:
-            loc.mul_(dilation[d])
-        loc.add_(starts[d])  # the input coordinate
-        if d:
-            idx.mul_(in_spatial[d]).add_(loc)
-        del loc
-    return idx.long()
-
-
-def _tuple(v, n):
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
-
-
-def _gelu_derivative(approximate: str):
-    """GELU's derivative, computed with two temporaries of the input's size (in place)."""
-
-    def derivative(x, _y):
-        if approximate == "tanh":
-            # 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2), t = tanh(c (x + k x^3))
-            c, k = math.sqrt(2.0 / math.pi), 0.044715
-            x2 = x.square()
-            t = x2.mul(k).add_(1).mul_(x).mul_(c).tanh_()  # tanh(c (x + k x^3))
-            x2.mul_(3 * k).add_(1).mul_(x).mul_(0.5 * c)  # 0.5 c x (1 + 3 k x^2)
-            x2.mul_(t.square().neg_().add_(1))
-            return t.add_(1).mul_(0.5).add_(x2)
-        # Phi(x) + x phi(x)
-        d = x.mul(1 / math.sqrt(2.0))
-        x_pdf = d.square().neg_().exp_().mul_(x).mul_(1 / math.sqrt(2 * math.pi))
-        return d.erf_().add_(1).mul_(0.5).add_(x_pdf)
-
-    return derivative
-
-
-def _silu_derivative(x, _y):
-    """SiLU's derivative s (1 + x (1 - s)), s = sigmoid(x), with two temporaries."""
-    s = torch.sigmoid(x)
-    return s.neg().add_(1).mul_(x).add_(1).mul_(s)
-
-
 # ---------------------------------------------------------------------------------------------
 # The function mode: routes each call.
 
@@ -981,7 +473,7 @@ class _FunctionMode(TorchFunctionMode):
         if func in _NORMS and isinstance(x, torch.Tensor) and x.dim() >= 2:
             dims = (0, *range(2, x.dim())) if func is F.batch_norm else (x.dim() - 1,)
             scale = (x.detach().float().var(dim=dims) + 1e-5).reciprocal().mean()
-            weight = _arg(args, kwargs, 3, "weight", None) if func is F.batch_norm else None
+            weight = arg(args, kwargs, 3, "weight", None) if func is F.batch_norm else None
             coherent = None
             if isinstance(weight, torch.Tensor):
                 coherent = _coherent(self.s.last_matmul, x, weight, dims)
@@ -1009,11 +501,11 @@ class _FunctionMode(TorchFunctionMode):
             refs = tuple(a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor))
         conv = None
         if func in _PLAIN_CONVS and level.matmul_bits is not None:
-            conv = _conv_args(func, args, kwargs)
+            conv = conv_args(func, args, kwargs)
         previous = s.kind, s.only_shape, s.references
         s.kind, s.only_shape, s.references = kind, only, refs
         try:
-            return func(*args, **kwargs) if conv is None else _Conv.apply(*conv)
+            return func(*args, **kwargs) if conv is None else OrderedConv.apply(*conv)
         finally:
             s.kind, s.only_shape, s.references = previous
 
@@ -1027,63 +519,63 @@ class _FunctionMode(TorchFunctionMode):
             if func in _RELU or func in _RELU_INPLACE:
                 bits = level.matmul_bits or level.other_bits
                 if bits is not None and bits >= 2 and x.is_floating_point():
-                    return _ReLU.apply(x, bool(inplace), bits, s)
+                    return PackedReLU.apply(x, bool(inplace), bits, s)
                 fn = torch.relu_ if inplace else torch.relu
-                return _MaskedLinear.apply(x, fn, _positive_after, 0.0, bool(inplace), s)
+                return MaskedLinear.apply(x, fn, positive_after, 0.0, bool(inplace), s)
             if func in (F.relu6, F.hardtanh):
                 lo, hi = (0.0, 6.0) if func is F.relu6 else (
-                    _arg(args, kwargs, 1, "min_val", -1.0), _arg(args, kwargs, 2, "max_val", 1.0))
-                inplace = bool(_arg(args, kwargs, 3 if func is F.hardtanh else 1, "inplace",
-                                    False))
+                    arg(args, kwargs, 1, "min_val", -1.0), arg(args, kwargs, 2, "max_val", 1.0))
+                inplace = bool(arg(args, kwargs, 3 if func is F.hardtanh else 1, "inplace",
+                                   False))
                 fn = (lambda t: t.clamp_(lo, hi)) if inplace else (lambda t: t.clamp(lo, hi))
-                return _MaskedLinear.apply(x, fn, _inside(lo, hi), 0.0, inplace, s)
+                return MaskedLinear.apply(x, fn, inside(lo, hi), 0.0, inplace, s)
             if func is F.leaky_relu:
-                slope = float(_arg(args, kwargs, 1, "negative_slope", 0.01))
-                inplace = bool(_arg(args, kwargs, 2, "inplace", False))
+                slope = float(arg(args, kwargs, 1, "negative_slope", 0.01))
+                inplace = bool(arg(args, kwargs, 2, "inplace", False))
                 fn = (lambda t: F.leaky_relu_(t, slope)) if inplace else (
                     lambda t: F.leaky_relu(t, slope))
-                return _MaskedLinear.apply(x, fn, _positive_before, slope, inplace, s)
+                return MaskedLinear.apply(x, fn, positive_before, slope, inplace, s)
             if func is F.dropout:
-                p = float(_arg(args, kwargs, 1, "p", 0.5))
-                training = bool(_arg(args, kwargs, 2, "training", True))
-                inplace = bool(_arg(args, kwargs, 3, "inplace", False))
+                p = float(arg(args, kwargs, 1, "p", 0.5))
+                training = bool(arg(args, kwargs, 2, "training", True))
+                inplace = bool(arg(args, kwargs, 3, "inplace", False))
                 if not training or p == 0.0:
                     return x
                 if 0.0 < p < 1.0:
-                    return _Dropout.apply(x, p, inplace, s)
+                    return MaskedDropout.apply(x, p, inplace, s)
             dims = _MAXPOOL.get(func)
-            if dims and x.dim() >= dims + 1 and not _arg(args, kwargs, 6, "return_indices",
-                                                          False):
-                kernel = _tuple(_arg(args, kwargs, 1, "kernel_size", None), dims)
-                stride = _tuple(_arg(args, kwargs, 2, "stride", None) or kernel, dims)
-                padding = _tuple(_arg(args, kwargs, 3, "padding", 0), dims)
-                dilation = _tuple(_arg(args, kwargs, 4, "dilation", 1), dims)
-                ceil_mode = bool(_arg(args, kwargs, 5, "ceil_mode", False))
+            if dims and x.dim() >= dims + 1 and not arg(args, kwargs, 6, "return_indices",
+                                                        False):
+                kernel = as_tuple(arg(args, kwargs, 1, "kernel_size", None), dims)
+                stride = as_tuple(arg(args, kwargs, 2, "stride", None) or kernel, dims)
+                padding = as_tuple(arg(args, kwargs, 3, "padding", 0), dims)
+                dilation = as_tuple(arg(args, kwargs, 4, "dilation", 1), dims)
+                ceil_mode = bool(arg(args, kwargs, 5, "ceil_mode", False))
                 if math.prod(kernel) <= 256:
-                    return _MaxPool.apply(x, dims, kernel, stride, padding, dilation, ceil_mode,
-                                          s)
+                    return OffsetMaxPool.apply(x, dims, kernel, stride, padding, dilation,
+                                               ceil_mode, s)
         bits = level.other_bits
         if bits is None or x.numel() < level.min_numel:
             return None
         if func is F.gelu:
-            approximate = _arg(args, kwargs, 1, "approximate", "none")
-            return _SavedDerivative.apply(x, lambda t: F.gelu(t, approximate=approximate),
-                                          _gelu_derivative(approximate), bits, s, True)
+            approximate = arg(args, kwargs, 1, "approximate", "none")
+            return SavedDerivative.apply(x, lambda t: F.gelu(t, approximate=approximate),
+                                         gelu_derivative(approximate), bits, s, True)
         if func is F.silu:
-            if _arg(args, kwargs, 1, "inplace", False):
+            if arg(args, kwargs, 1, "inplace", False):
                 return None
-            return _SavedDerivative.apply(x, F.silu, _silu_derivative, bits, s, True)
+            return SavedDerivative.apply(x, F.silu, silu_derivative, bits, s, True)
         if func in _SIGMOID:
-            return _SavedDerivative.apply(x, torch.sigmoid, lambda _x, y: y * (1 - y), bits, s,
-                                          False)
+            return SavedDerivative.apply(x, torch.sigmoid, lambda _x, y: y * (1 - y), bits, s,
+                                         False)
         if func in _TANH:
-            return _SavedDerivative.apply(x, torch.tanh, lambda _x, y: 1 - y * y, bits, s, False)
+            return SavedDerivative.apply(x, torch.tanh, lambda _x, y: 1 - y * y, bits, s, False)
         if func in _SOFTMAX:
-            dim = _arg(args, kwargs, 1, "dim", None)
+            dim = arg(args, kwargs, 1, "dim", None)
             if dim is None:
                 return None
             dtype = kwargs.get("dtype")
-            return _Softmax.apply(x, dim, dtype, bits, s)
+            return TwoCopySoftmax.apply(x, dim, dtype, bits, s)
         return None
 
 
@@ -1101,7 +593,7 @@ def _coherent(last, h: torch.Tensor, gamma: torch.Tensor, dims) -> torch.Tensor 
     if last is None or last[0]() is not h or last[1] not in (*_CONVS, F.linear):
         return None
     _, func, args, kwargs = last
-    x, w = args[0], _arg(args, kwargs, 1, "weight", None)
+    x, w = args[0], arg(args, kwargs, 1, "weight", None)
     if not isinstance(w, torch.Tensor) or func in _CONVS - {F.conv1d, F.conv2d, F.conv3d}:
         return None
     with torch.no_grad():
@@ -1113,16 +605,16 @@ def _coherent(last, h: torch.Tensor, gamma: torch.Tensor, dims) -> torch.Tensor 
         if func is F.linear:
             a = x_hat.reshape(-1, x_hat.shape[-1]).t() @ xd.reshape(-1, xd.shape[-1])
         else:
-            stride = _arg(args, kwargs, 3, "stride", 1)
-            padding = _arg(args, kwargs, 4, "padding", 0)
-            dilation = _arg(args, kwargs, 5, "dilation", 1)
-            groups = _arg(args, kwargs, 6, "groups", 1)
+            stride = arg(args, kwargs, 3, "stride", 1)
+            padding = arg(args, kwargs, 4, "padding", 0)
+            dilation = arg(args, kwargs, 5, "dilation", 1)
+            groups = arg(args, kwargs, 6, "groups", 1)
             if isinstance(padding, str):
                 return None
             n = w.dim() - 2
             a = torch.ops.aten.convolution_backward(
-                x_hat, xd, w.detach().float(), None, _tuple(stride, n), _tuple(padding, n),
-                _tuple(dilation, n), False, [0] * n, groups, [False, True, False])[1]
+                x_hat, xd, w.detach().float(), None, as_tuple(stride, n), as_tuple(padding, n),
+                as_tuple(dilation, n), False, [0] * n, groups, [False, True, False])[1]
         count = h.numel() // h.shape[1]
         per_channel = a.reshape(a.shape[0], -1).square().sum(1)
         return (gamma.detach().float().square() * invstd.reshape(-1) ** 4 * per_channel
@@ -1144,19 +636,19 @@ def _fan_in(func, args, kwargs) -> float:
     """How many saved elements each output element of ``func`` reads per weight (the factor
     by which rounding noise in its input reaches its weight gradient; 1 for elementwise ops)."""
     if func in _CONVS:
-        weight = _arg(args, kwargs, 1, "weight", None)
+        weight = arg(args, kwargs, 1, "weight", None)
         if not isinstance(weight, torch.Tensor):
             return 1
         fan = float(weight[0].numel())
         x = args[0]
         if func in (F.conv1d, F.conv2d, F.conv3d) and isinstance(x, torch.Tensor):
             n = weight.dim() - 2
-            padding = _arg(args, kwargs, 4, "padding", 0)
+            padding = arg(args, kwargs, 4, "padding", 0)
             if not isinstance(padding, str):  # taps that fall on the padding read nothing
-                stride = _tuple(_arg(args, kwargs, 3, "stride", 1), n)
-                dilation = _tuple(_arg(args, kwargs, 5, "dilation", 1), n)
+                stride = as_tuple(arg(args, kwargs, 3, "stride", 1), n)
+                dilation = as_tuple(arg(args, kwargs, 5, "dilation", 1), n)
                 for size, k, st, p, d in zip(x.shape[-n:], weight.shape[2:], stride,
-                                             _tuple(padding, n), dilation, strict=True):
+                                             as_tuple(padding, n), dilation, strict=True):
                     fan *= _inside_share(int(size), int(k), int(st), int(p), int(d))
         return fan
     if func in _MATMUL_FUNCS and isinstance(args[0], torch.Tensor) and args[0].dim():
@@ -1173,23 +665,3 @@ def _first_tensor(out) -> torch.Tensor | None:
     return None
 
 
-def _arg(args, kwargs, i, name, default):
-    if len(args) > i:
-        return args[i]
-    return kwargs.get(name, default)
-
-
-def _positive_after(x, y):
-    return (y if y is not None else x) > 0
-
-
-def _positive_before(x, y):
-    return (x if y is None else y) > 0
-
-
-def _inside(lo: float, hi: float):
-    def mask(x, y):
-        # for the out-of-place call x is the input; in place, it is read before clamping
-        return (x > lo) & (x < hi)
-
-    return mask

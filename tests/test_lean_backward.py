@@ -8,7 +8,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import actune
-from actune import hooks
+from actune import saved, substitutes
 from actune.memory import StepMeter
 
 CASES = [  # (conv, input shape, kwargs)
@@ -22,7 +22,7 @@ CASES = [  # (conv, input shape, kwargs)
 
 
 def _grads(func, shape, kw, bias, lean, monkeypatch):
-    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0 if lean else 2**62)
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0 if lean else 2**62)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_()
     dims = len(shape) - 2
@@ -33,7 +33,7 @@ def _grads(func, shape, kw, bias, lean, monkeypatch):
     torch.manual_seed(1)
     with actune.compressed(actune.Level("t", matmul_bits=4, min_numel=1)):
         y = func(x, w, b, kw["stride"], kw["padding"], kw["dilation"], kw["groups"])
-    assert (type(y.grad_fn).__name__ == "_ConvBackward") == lean
+    assert (type(y.grad_fn).__name__ == "OrderedConvBackward") == lean
     y.mul(torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
     return [t.grad for t in (x, w, b) if t is not None]
 
@@ -48,7 +48,7 @@ def test_ordered_conv_backward_gives_pytorchs_gradients(func, shape, kw, bias, m
 
 
 def test_frozen_weights_and_inputs_without_gradients(monkeypatch):
-    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0)
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0)
     conv = nn.Conv2d(3, 4, 3, padding=1)
     conv.weight.requires_grad_(False)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
@@ -64,7 +64,7 @@ def test_frozen_weights_and_inputs_without_gradients(monkeypatch):
 
 
 def test_double_backward_through_the_ordered_conv_raises(monkeypatch):
-    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0)
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     conv = nn.Conv2d(3, 4, 3)
     with actune.compressed("L3"):
@@ -84,7 +84,7 @@ class _TwoConvs(nn.Module):
 
 
 def _peak(mode: str, lean: bool, monkeypatch) -> int:
-    monkeypatch.setattr(hooks, "LEAN_NUMEL", 2**20 if lean else 2**62)
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 2**20 if lean else 2**62)
 
     def build():
         torch.manual_seed(0)
@@ -117,7 +117,7 @@ def test_the_estimate_sees_the_ordered_backward_as_measured(monkeypatch):
 # -- packed values are freed as backward moves down -------------------------------------------
 
 
-def _nodes(loss, name: str = "_ReLUBackward"):
+def _nodes(loss, name: str = "PackedReLUBackward"):
     """The nodes of ``loss``'s graph whose type is ``name``."""
     seen, todo, found = set(), [loss.grad_fn], []
     while todo:
@@ -168,14 +168,14 @@ def test_the_ordered_conv_follows_autocast(monkeypatch):
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     grads = []
     for lean in (True, False):
-        monkeypatch.setattr(hooks, "LEAN_NUMEL", 0 if lean else 2**62)
+        monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0 if lean else 2**62)
         conv.zero_grad()
         x.grad = None
         torch.manual_seed(0)
         with torch.autocast("cpu", dtype=torch.bfloat16), actune.compressed("u4"):
             out = conv(x)
         assert out.dtype == torch.bfloat16
-        assert (type(out.grad_fn).__name__ == "_ConvBackward") == lean
+        assert (type(out.grad_fn).__name__ == "OrderedConvBackward") == lean
         out.float().square().sum().backward()
         grads.append((x.grad, conv.weight.grad, conv.bias.grad))
     for a, b in zip(*grads, strict=True):
@@ -186,7 +186,7 @@ def test_the_ordered_conv_follows_autocast(monkeypatch):
 def test_mixed_precision_statistics_steps_run_through_the_ordered_conv(monkeypatch):
     """L3's allocator (statistics steps, bits per sample) sees the ordered convolution's saved
     input like any other: training runs and its slots are allocated."""
-    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0)
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
@@ -197,7 +197,7 @@ def test_mixed_precision_statistics_steps_run_through_the_ordered_conv(monkeypat
     for _ in range(5):
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
-        assert len(_nodes(loss, "_ConvBackward")) == 2
+        assert len(_nodes(loss, "OrderedConvBackward")) == 2
         loss.backward()
         opt.step()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
@@ -209,9 +209,9 @@ def test_mixed_precision_statistics_steps_run_through_the_ordered_conv(monkeypat
 
 
 @pytest.mark.parametrize(("fn", "derivative"), [
-    (F.gelu, hooks._gelu_derivative("none")),
-    (lambda t: F.gelu(t, approximate="tanh"), hooks._gelu_derivative("tanh")),
-    (F.silu, hooks._silu_derivative),
+    (F.gelu, substitutes.gelu_derivative("none")),
+    (lambda t: F.gelu(t, approximate="tanh"), substitutes.gelu_derivative("tanh")),
+    (F.silu, substitutes.silu_derivative),
 ])
 def test_derivatives_are_pytorchs(fn, derivative, monkeypatch):
     x = torch.linspace(-8, 8, 4001, dtype=torch.float64, requires_grad=True)
@@ -220,8 +220,8 @@ def test_derivatives_are_pytorchs(fn, derivative, monkeypatch):
     whole = derivative(x.detach(), None)
     torch.testing.assert_close(whole, x.grad, rtol=1e-12, atol=1e-12)
     assert torch.equal(x.detach(), before)  # the input is read, never written
-    monkeypatch.setattr(hooks, "LEAN_NUMEL", 0)
-    chunked = hooks._in_chunks(derivative, x.detach(), pieces=7)  # SIMD tails may differ
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0)
+    chunked = substitutes.in_chunks(derivative, x.detach(), pieces=7)  # SIMD tails may differ
     torch.testing.assert_close(chunked, whole, rtol=1e-14, atol=1e-15)
 
 
@@ -235,7 +235,7 @@ class _MLP(nn.Module):
 
 
 def _mlp_peak(mode: str, lean: bool, monkeypatch) -> int:
-    monkeypatch.setattr(hooks, "LEAN_NUMEL", 2**16 if lean else 2**62)
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 2**16 if lean else 2**62)
 
     def build():
         torch.manual_seed(0)
@@ -284,17 +284,17 @@ def test_gelu_backward_in_place_keeps_retain_graph_exact():
 def test_a_fresh_copy_is_never_shared():
     """``fresh()`` hands out a dequantized tensor nobody else holds: a copy when another node
     holds the dequantized value, and never the stored tensor itself."""
-    saved = hooks._Saved(actune.quantize(torch.randn(4, 256), 4), offload=False)
+    value = saved.Saved(actune.quantize(torch.randn(4, 256), 4), offload=False)
     with torch.no_grad():
-        held = saved.get()
-        mine = saved.fresh()
+        held = value.get()
+        mine = value.fresh()
         assert mine is not held and torch.equal(mine, held)
         mine.zero_()
-        assert held.abs().sum() > 0 and saved.get() is held
+        assert held.abs().sum() > 0 and value.get() is held
         del held
-        alone = saved.fresh()
-        assert saved.unpacked is None  # not left for others to find
-        kept = hooks._Saved(torch.arange(4.0), offload=False)
+        alone = value.fresh()
+        assert value.unpacked is None  # not left for others to find
+        kept = saved.Saved(torch.arange(4.0), offload=False)
         copy = kept.fresh()
         copy.zero_()
         assert torch.equal(kept.get(), torch.arange(4.0))

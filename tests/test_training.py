@@ -489,16 +489,16 @@ def test_norm_statistics_stay_exact_and_only_the_input_is_rounded():
 @pytest.mark.parametrize("path", ["numba", "torch"])
 def test_max_pool_offsets_round_trip_to_pytorchs_indices(size, kernel, stride, padding,
                                                          dilation, path, monkeypatch):
-    from actune import hooks
-    from actune.hooks import _indices_from_offsets, _window_offsets
+    from actune import substitutes
+    from actune.substitutes import indices_from_offsets, window_offsets
 
     if path == "torch":  # the path GPUs and fake tensors take
-        monkeypatch.setattr(hooks, "_numba_pool", lambda t, kernel: False)
+        monkeypatch.setattr(substitutes, "_numba_pool", lambda t, kernel: False)
     x = torch.randn(3, 5, *size, generator=torch.Generator().manual_seed(1))
     _, idx = F.max_pool2d(x, kernel, stride, padding, dilation, return_indices=True)
-    offsets, spatial = _window_offsets(idx, x.shape[-2:], kernel, stride, padding, dilation)
+    offsets, spatial = window_offsets(idx, x.shape[-2:], kernel, stride, padding, dilation)
     assert offsets.dtype == torch.uint8 and int(offsets.max()) < kernel[0] * kernel[1]
-    back = _indices_from_offsets(offsets, spatial, kernel, stride, padding, dilation)
+    back = indices_from_offsets(offsets, spatial, kernel, stride, padding, dilation)
     assert torch.equal(back, idx)
 
 
@@ -507,11 +507,11 @@ def test_max_pool_offsets_round_trip_to_pytorchs_indices(size, kernel, stride, p
     ((6, 5, 7), (2, 3, 3), (1, 2, 1), (1, 1, 1), (2, 1, 2)),
 ])
 def test_max_pool_3d_offsets_round_trip(size, kernel, stride, padding, dilation):
-    from actune.hooks import _indices_from_offsets, _window_offsets
+    from actune.substitutes import indices_from_offsets, window_offsets
 
     x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(2))
     _, idx = F.max_pool3d(x, kernel, stride, padding, dilation, return_indices=True)
-    offsets, spatial = _window_offsets(idx, x.shape[-3:], kernel, stride, padding, dilation)
+    offsets, spatial = window_offsets(idx, x.shape[-3:], kernel, stride, padding, dilation)
     assert offsets.dtype == torch.uint8 and int(offsets.max()) < math.prod(kernel)
-    assert torch.equal(_indices_from_offsets(offsets, spatial, kernel, stride, padding,
+    assert torch.equal(indices_from_offsets(offsets, spatial, kernel, stride, padding,
                                              dilation), idx)

@@ -25,7 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools import mem_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from actune.hooks import CompressionStats, simulated_offload
+from actune.hooks import CompressionStats
+from actune.saved import simulated_offload
 
 
 @dataclass(frozen=True)

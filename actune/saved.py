@@ -1,0 +1,205 @@
+"""What the pack hook keeps for one saved tensor, and how backward gets the tensor back.
+
+A :class:`Saved` holds a packed value (quantized codes, a 1-bit mask, small integers, or the
+tensor itself), on the device or, at the offloading levels, in pinned host memory; backward
+dequantizes it (prefetching the next offloaded value on a side stream). The substituted
+autograd functions keep theirs on ``ctx`` and let go of them with :func:`take`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from actune.quant import (
+    PackedMask,
+    PackedRows,
+    PackedSamples,
+    PackedTensor,
+    dequantize,
+    dequantize_samples,
+    unpack_mask,
+)
+
+__all__ = ["DoubleBackwardError", "Saved", "check_double_backward", "simulated_offload", "take"]
+
+
+class DoubleBackwardError(RuntimeError):
+    """Raised when backward is differentiated again through compressed activations."""
+
+
+_DOUBLE_BACKWARD = (
+    "actune: double backward (create_graph=True) through compressed activations is not "
+    "supported: the saved activations were quantized and are not differentiable. Run this "
+    "step without actune.compressed / actune.compress, or at level L0."
+)
+
+
+_SIMULATE_OFFLOAD = contextvars.ContextVar("actune_simulate_offload", default=False)
+
+
+@contextlib.contextmanager
+def simulated_offload() -> Iterator[None]:
+    """For estimates on the CPU: offloading levels put their packed buffers on the ``meta``
+    device, so a memory tracker counts them apart from the device, as host memory."""
+    token = _SIMULATE_OFFLOAD.set(True)
+    try:
+        yield
+    finally:
+        _SIMULATE_OFFLOAD.reset(token)
+
+
+class Saved:
+    """What the pack hook returns for a compressed tensor.
+
+    With offload on CUDA the packed buffers go to pinned host memory (copied on the current
+    stream); in backward, reading one starts copying the one packed before it (the next that
+    backward needs) back to the device on a side stream, so transfers overlap compute.
+    """
+
+    __slots__ = ("__weakref__", "device", "fetch", "host", "packed", "prev", "ready", "slot",
+                 "unpacked")
+
+    def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool,
+                 prev: Saved | None = None) -> None:
+        self.packed = packed
+        self.device = packed.device
+        simulate = offload and _SIMULATE_OFFLOAD.get()
+        self.host = offload and (packed.device.type == "cuda" or simulate)
+        self.prev = prev if self.host and not simulate else None
+        self.ready = self.fetch = None
+        if simulate:
+            self.packed = _to_device(packed, torch.device("meta"))
+        elif self.host:  # pinned host copies, copied asynchronously on the current stream
+            self.packed = _to_device(packed, torch.device("cpu"), pin=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self.unpacked: weakref.ref | None = None
+        self.slot: int | None = None  # the allocator's slot, when bits were allocated
+
+    def prefetch(self) -> None:
+        """Start copying the host buffers back to the device on a side stream."""
+        if self.fetch is not None or self.ready is None:
+            return
+        side = _side_stream(self.device)
+        side.wait_event(self.ready)  # the forward's device-to-host copy is complete
+        with torch.cuda.stream(side):
+            packed = _to_device(self.packed, self.device)
+            done = torch.cuda.Event()
+            done.record(side)
+        self.fetch = (packed, done)
+
+    def _from_host(self):
+        if self.fetch is None:
+            self.prefetch()
+        packed, done = self.fetch
+        self.fetch = None
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        for t in _tensors(packed):  # allocated on the side stream, used on this one
+            t.record_stream(current)
+        if self.prev is not None:
+            self.prev.prefetch()
+        return packed
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def fresh(self) -> torch.Tensor:
+        """:meth:`get` as a tensor nothing else holds, which the caller may overwrite."""
+        shared = self.unpacked() if self.unpacked is not None else None
+        out = self.get()
+        if shared is None and not isinstance(self.packed, torch.Tensor):
+            self.unpacked = None  # dequantized for this caller alone
+            return out
+        return out.clone()
+
+    def get(self) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise DoubleBackwardError(_DOUBLE_BACKWARD)
+        out = self.unpacked() if self.unpacked is not None else None
+        if out is None:  # not alive in another node: dequantize
+            if self.host and self.ready is None:  # simulated offload (estimates)
+                packed = _to_device(self.packed, self.device)
+            else:
+                packed = self._from_host() if self.host else self.packed
+            if isinstance(packed, torch.Tensor):
+                return packed
+            if isinstance(packed, PackedMask):
+                out = unpack_mask(packed)
+            elif isinstance(packed, PackedSamples | PackedRows):
+                out = dequantize_samples(packed)
+            else:
+                out = dequantize(packed)
+            self.unpacked = weakref.ref(out)
+        return out
+
+
+_SIDE_STREAMS: dict[torch.device, object] = {}
+
+
+def _side_stream(device: torch.device):
+    """One side stream per device for prefetching offloaded activations."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _tensors(p) -> tuple[torch.Tensor, ...]:
+    if isinstance(p, torch.Tensor):
+        return (p,)
+    if isinstance(p, PackedMask):
+        return (p.bits8,)
+    if isinstance(p, PackedSamples):
+        return tuple(t for idx, part in p.parts for t in (idx, *_tensors(part)))
+    if isinstance(p, PackedRows):
+        return (p.codes, p.meta, p.row_bits, p.row_offset)
+    return (p.codes, p.meta)
+
+
+def _to_device(p, device: torch.device, pin: bool = False):
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if pin:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        return t.to(device, non_blocking=True)
+
+    if isinstance(p, torch.Tensor):
+        return move(p)
+    if isinstance(p, PackedMask):
+        return PackedMask(move(p.bits8), p.shape)
+    if isinstance(p, PackedSamples):
+        return dataclasses.replace(p, parts=tuple((move(idx), _to_device(part, device, pin))
+                                                  for idx, part in p.parts))
+    if isinstance(p, PackedRows):
+        return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta),
+                                   row_bits=move(p.row_bits), row_offset=move(p.row_offset))
+    return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta))
+
+
+def check_double_backward() -> None:
+    if torch.is_grad_enabled():
+        raise DoubleBackwardError(_DOUBLE_BACKWARD)
+
+
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
+
+
+def take(ctx, name: str):
+    """What a substituted function's forward kept on ``ctx`` as ``name``, let go once read
+    unless the graph is retained (``retain_graph=True``): autograd's own lifetime for saved
+    tensors, so packed values are freed as backward moves down, not when it ends."""
+    value = getattr(ctx, name)
+    if value is None:
+        raise RuntimeError("Trying to backward through the graph a second time: its packed "
+                           "values were freed. Pass retain_graph=True to the first backward.")
+    if not _keep_graph():
+        setattr(ctx, name, None)
+    return value

@@ -1,0 +1,387 @@
+"""Autograd functions that stand in for ops whose saved tensors can be smaller.
+
+Each keeps, for backward, something smaller than what PyTorch's own op saves, and still
+exact or unbiased (see docs/training.md): ReLU's output packed with exact zeros, 1-bit masks,
+max pooling's argmax offsets, an activation's derivative instead of its input, softmax's two
+independently rounded copies; and the ordered convolution backward, which needs one
+activation-sized tensor at a time. The function mode in :mod:`actune.hooks` decides which op
+runs through which function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.saved import check_double_backward, take
+
+__all__ = ["LEAN_NUMEL", "MaskedDropout", "MaskedLinear", "OffsetMaxPool", "OrderedConv",
+           "PackedReLU", "SavedDerivative", "TwoCopySoftmax", "arg", "as_tuple", "conv_args",
+           "gelu_derivative", "in_chunks", "indices_from_offsets", "inside", "positive_after",
+           "positive_before", "silu_derivative", "window_offsets"]
+
+
+class MaskedLinear(torch.autograd.Function):
+    """y = f(x) whose derivative is piecewise constant: saves a 1-bit mask.
+
+    ``mask_of(x, y)`` gives where the slope is 1; elsewhere it is ``low`` (0 for ReLU and
+    hardtanh, the negative slope for leaky ReLU), so the gradient is exactly PyTorch's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fn, mask_of, low, inplace, session):
+        mask = mask_of(x, None) if inplace else None
+        y = fn(x)
+        if mask is None:
+            mask = mask_of(x, y)
+        ctx.mask = session.pack_bool(mask, "mask", replaces=(y if low == 0.0 else x,))
+        ctx.low = low
+        if inplace:
+            ctx.mark_dirty(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        mask = take(ctx, "mask").get()
+        if ctx.low == 0.0:
+            out = grad.masked_fill(~mask, 0.0)
+        else:
+            out = torch.where(mask, grad, grad * ctx.low)
+        return out, None, None, None, None, None
+
+
+class OrderedConv(torch.autograd.Function):
+    """A convolution whose backward needs one activation-sized tensor at a time.
+
+    PyTorch's convolution backward holds the dequantized input and the input gradient
+    together. This one computes the weight (and bias) gradient first, frees the dequantized
+    input, and then computes the input gradient as the transposed convolution of the output
+    gradient (the same kernel, the same values), which needs no input at all. Its saved input
+    goes through the saved-tensor hooks like any other (packed once, shared with the ReLU or
+    the other convolution that saved the same storage, offloaded at L4/L5)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
+        n = weight.dim() - 2
+        stride, padding, dilation = as_tuple(stride, n), as_tuple(padding, n), as_tuple(dilation, n)
+        ctx.conf = (stride, padding, dilation, groups)
+        ctx.bias_sizes = None if bias is None else list(bias.shape)
+        ctx.save_for_backward(x, weight)
+        y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False,
+                                       [0] * n, groups)
+        # the rows and columns of the input the strided windows never reach
+        ctx.output_padding = [
+            size - ((out - 1) * st + dil * (k - 1) + 1 - 2 * pad)
+            for size, out, k, st, pad, dil in zip(x.shape[2:], y.shape[2:], weight.shape[2:],
+                                                  stride, padding, dilation, strict=True)]
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        stride, padding, dilation, groups = ctx.conf
+        n = len(stride)
+        x, weight = ctx.saved_tensors
+        gw = gb = gx = None
+        if need_w or need_b:
+            _, gw, gb = torch.ops.aten.convolution_backward(
+                grad, x, weight, ctx.bias_sizes, stride, padding, dilation, False, [0] * n,
+                groups, [False, need_w, need_b])
+        del x  # the dequantized input is freed before the input gradient is allocated
+        if need_x:
+            gx = torch.ops.aten.convolution(grad, weight, None, stride, padding, dilation, True,
+                                            ctx.output_padding, groups)
+        return gx, gw, gb, None, None, None, None
+
+
+#: Convolutions whose input has fewer elements run PyTorch's own backward, and smaller
+#: derivatives are computed whole: the memory the ordered backward (or the chunks) save is
+#: small there, and their Python overhead (about 0.1 ms a call on the CPU) is not.
+LEAN_NUMEL = 1 << 20
+
+
+def conv_args(func, args, kwargs):
+    """(x, weight, bias, stride, padding, dilation, groups) of a plain convolution call that
+    :class:`OrderedConv` should run, or None (small or unbatched input, string padding: PyTorch's
+    own)."""
+    x, weight = args[0], arg(args, kwargs, 1, "weight", None)
+    padding = arg(args, kwargs, 4, "padding", 0)
+    if (x.numel() < LEAN_NUMEL or not isinstance(weight, torch.Tensor)
+        or isinstance(padding, str) or x.dim() != weight.dim()):
+        return None
+    tensors = (x, weight, arg(args, kwargs, 2, "bias", None))
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # cast as autocast casts a convolution's arguments
+        dtype = torch.get_autocast_dtype(device)
+        tensors = tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in tensors)
+    return (*tensors, arg(args, kwargs, 3, "stride", 1), padding,
+            arg(args, kwargs, 5, "dilation", 1), arg(args, kwargs, 6, "groups", 1))
+
+
+class PackedReLU(torch.autograd.Function):
+    """ReLU whose output is packed once, with code 0 reserved for exact zeros: the same packed
+    copy serves the next layer (a convolution's saved input) and this backward's mask, which
+    is exact (``dequantize(y) > 0`` is ``y > 0``). No separate mask is stored."""
+
+    @staticmethod
+    def forward(ctx, x, inplace, bits, session):
+        y = torch.relu_(x) if inplace else torch.relu(x)
+        ctx.y = session.pack_value(y, bits, "relu", replaces=(y,), share_as=y, zero_code=True,
+                                   dirty=inplace, reads=False)
+        if inplace:
+            ctx.mark_dirty(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        # PyTorch's own ReLU backward on the dequantized output (whose zeros are exact)
+        y = take(ctx, "y").get()
+        if y.dtype == torch.bool:  # the allocator kept only the mask
+            return grad * y, None, None, None
+        return torch.ops.aten.threshold_backward(grad, y, 0.0), None, None, None
+
+
+class MaskedDropout(torch.autograd.Function):
+    """Dropout keeping its mask at 1 bit; the scale is PyTorch's (mask / (1 - p))."""
+
+    @staticmethod
+    def forward(ctx, x, p, inplace, session):
+        keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
+        noise = keep.to(x.dtype).div_(1 - p)
+        ctx.mask = session.pack_bool(keep, "mask", replaces=(noise,))
+        ctx.scale = 1 - p
+        if inplace:
+            ctx.mark_dirty(x)
+            return x.mul_(noise)
+        return x * noise
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        noise = take(ctx, "mask").get().to(grad.dtype).div_(ctx.scale)
+        return grad * noise, None, None, None
+
+
+class SavedDerivative(torch.autograd.Function):
+    """y = f(x) for elementwise f: saves f'(x), quantized, and returns grad * f'(x).
+
+    A derivative of the input alone (GELU, SiLU) is computed and packed before ``y`` exists,
+    in chunks for large inputs, so ``x``, ``y`` and ``f'(x)`` are never alive in full together
+    (nor the temporaries of ``f'``)."""
+
+    @staticmethod
+    def forward(ctx, x, fn, derivative, bits, session, of_input):
+        with torch.no_grad():
+            if of_input:
+                d = in_chunks(derivative, x)
+                ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
+                del d
+                return fn(x)
+            y = fn(x)
+            d = derivative(x, y)
+        ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        d = take(ctx, "d").fresh()
+        out = d.mul_(grad) if d.dtype == grad.dtype else grad * d  # in place: one tensor less
+        return out, None, None, None, None, None
+
+
+def in_chunks(derivative, x: torch.Tensor, pieces: int = 8) -> torch.Tensor:
+    """``derivative(x, None)`` computed in ``pieces`` slices of a large dense ``x``: its
+    temporaries are a slice's size."""
+    if x.numel() < LEAN_NUMEL or not x.is_contiguous():
+        return derivative(x, None)
+    out = torch.empty_like(x)
+    size = -(-x.numel() // pieces)
+    for part, dst in zip(x.view(-1).split(size), out.view(-1).split(size), strict=True):
+        dst.copy_(derivative(part, None))
+    return out
+
+
+class TwoCopySoftmax(torch.autograd.Function):
+    """Softmax saving two independently rounded copies of its output: the backward
+    ``y1 * (g - sum(g * y2))`` is then unbiased although it is quadratic in y."""
+
+    @staticmethod
+    def forward(ctx, x, dim, dtype, bits, session):
+        y = torch.softmax(x, dim, dtype=dtype)
+        ctx.y1 = session.pack_value(y, bits, "softmax", replaces=(y,), share_as=y)
+        ctx.y2 = session.pack_value(y, bits, "softmax")
+        ctx.dim = dim
+        ctx.in_dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        y1, y2 = take(ctx, "y1"), take(ctx, "y2").get()
+        inner = (grad * y2).sum(ctx.dim, keepdim=True)
+        del y2
+        out = y1.get() * (grad - inner)
+        return out.to(ctx.in_dtype), None, None, None, None
+
+
+class OffsetMaxPool(torch.autograd.Function):
+    """Max pooling that keeps each output's argmax as an offset inside its window (uint8)
+    instead of int64 input indices; backward is PyTorch's own with the indices rebuilt."""
+
+    @staticmethod
+    def forward(ctx, x, dims, kernel, stride, padding, dilation, ceil_mode, session):
+        pool = F.max_pool2d if dims == 2 else F.max_pool3d
+        y, idx = pool(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+        offsets, ctx.spatial = window_offsets(idx, x.shape[-dims:], kernel, stride, padding,
+                                              dilation)
+        ctx.offsets = session.pack_small_ints(offsets, "maxpool", replaces=(x, idx))
+        ctx.args = (dims, kernel, stride, padding, dilation, ceil_mode)
+        ctx.in_shape, ctx.in_dtype = x.shape, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        dims, kernel, stride, padding, dilation, ceil_mode = ctx.args
+        offsets = take(ctx, "offsets").get()
+        idx = indices_from_offsets(offsets, ctx.spatial, kernel, stride, padding, dilation)
+        shape_only = torch.zeros((), dtype=ctx.in_dtype, device=grad.device).expand(ctx.in_shape)
+        backward = (torch.ops.aten.max_pool2d_with_indices_backward if dims == 2
+                    else torch.ops.aten.max_pool3d_with_indices_backward)
+        out = backward(grad, shape_only, kernel, stride, padding, dilation, ceil_mode, idx)
+        return out, None, None, None, None, None, None, None
+
+
+def _window_grid(out_shape, kernel, stride, padding):
+    grids = torch.meshgrid(*[torch.arange(n) * s - p
+                             for n, s, p in zip(out_shape, stride, padding, strict=True)],
+                           indexing="ij")
+    return grids
+
+
+def window_offsets(idx, in_spatial, kernel, stride, padding, dilation):
+    """Flat input indices -> offset inside each window (row-major over the kernel)."""
+    if _numba_pool(idx, kernel):
+        from actune_kernels import pool
+
+        planes = idx.numel() // math.prod(idx.shape[-2:])
+        out = torch.empty((planes, math.prod(idx.shape[-2:])), dtype=torch.uint8)
+        pool.offsets_2d(idx.reshape(planes, *idx.shape[-2:]).numpy(), out.numpy(),
+                        in_spatial[-1], kernel, stride, padding, dilation)
+        return out.view(idx.shape), tuple(in_spatial)
+    # Elsewhere (GPU, fake tensors, 3-d): torch operations, in place on index-sized int32
+    # buffers (at most three alive besides the indices, for 3-d pooling; two for 2-d).
+    starts = [g.to(idx.device, torch.int32)
+              for g in _window_grid(idx.shape[-len(kernel):], kernel, stride, padding)]
+    rem = idx.to(torch.int32)  # plane indices fit; int32 halves the work
+    offset = None
+    scale = 1  # window positions per step of this dimension
+    for d in reversed(range(len(kernel))):
+        if d:
+            coord = torch.remainder(rem, in_spatial[d])
+            rem.div_(in_spatial[d], rounding_mode="floor")
+        else:
+            coord = rem  # what is left is the first coordinate
+        coord.sub_(starts[d])
+        if dilation[d] != 1:
+            coord.div_(dilation[d], rounding_mode="floor")
+        if scale != 1:
+            coord.mul_(scale)
+        offset = coord if offset is None else offset.add_(coord)
+        del coord
+        scale *= kernel[d]
+    return offset.to(torch.uint8), tuple(in_spatial)
+
+
+def _numba_pool(t: torch.Tensor, kernel) -> bool:
+    """The CPU kernels handle real 2-d CPU tensors; everything else uses torch operations."""
+    return len(kernel) == 2 and type(t) is torch.Tensor and t.device.type == "cpu"
+
+
+def indices_from_offsets(offsets, in_spatial, kernel, stride, padding, dilation):
+    if _numba_pool(offsets, kernel):
+        from actune_kernels import pool
+
+        out_h, out_w = offsets.shape[-2:]
+        planes = offsets.numel() // (out_h * out_w)
+        idx = torch.empty(offsets.shape, dtype=torch.int64)
+        pool.indices_2d(offsets.reshape(planes, -1).contiguous().numpy(),
+                        idx.view(planes, -1).numpy(), in_spatial[-1], out_h, out_w, kernel,
+                        stride, padding, dilation)
+        return idx
+    # Elsewhere: torch operations, in place (one int32 buffer per pooled dimension).
+    starts = [g.to(offsets.device, torch.int32)
+              for g in _window_grid(offsets.shape[-len(kernel):], kernel, stride, padding)]
+    rem = offsets.to(torch.int32)
+    local = {}
+    for d in range(len(kernel) - 1, 0, -1):
+        local[d] = torch.remainder(rem, kernel[d])
+        rem.div_(kernel[d], rounding_mode="floor")
+    idx = rem  # the first dimension's position in its window
+    for d in range(len(kernel)):
+        loc = idx if d == 0 else local.pop(d)
+        if dilation[d] != 1:
+            loc.mul_(dilation[d])
+        loc.add_(starts[d])  # the input coordinate
+        if d:
+            idx.mul_(in_spatial[d]).add_(loc)
+        del loc
+    return idx.long()
+
+
+def as_tuple(v, n):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+def gelu_derivative(approximate: str):
+    """GELU's derivative, computed with two temporaries of the input's size (in place)."""
+
+    def derivative(x, _y):
+        if approximate == "tanh":
+            # 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2), t = tanh(c (x + k x^3))
+            c, k = math.sqrt(2.0 / math.pi), 0.044715
+            x2 = x.square()
+            t = x2.mul(k).add_(1).mul_(x).mul_(c).tanh_()  # tanh(c (x + k x^3))
+            x2.mul_(3 * k).add_(1).mul_(x).mul_(0.5 * c)  # 0.5 c x (1 + 3 k x^2)
+            x2.mul_(t.square().neg_().add_(1))
+            return t.add_(1).mul_(0.5).add_(x2)
+        # Phi(x) + x phi(x)
+        d = x.mul(1 / math.sqrt(2.0))
+        x_pdf = d.square().neg_().exp_().mul_(x).mul_(1 / math.sqrt(2 * math.pi))
+        return d.erf_().add_(1).mul_(0.5).add_(x_pdf)
+
+    return derivative
+
+
+def silu_derivative(x, _y):
+    """SiLU's derivative s (1 + x (1 - s)), s = sigmoid(x), with two temporaries."""
+    s = torch.sigmoid(x)
+    return s.neg().add_(1).mul_(x).add_(1).mul_(s)
+
+
+def arg(args, kwargs, i, name, default):
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def positive_after(x, y):
+    return (y if y is not None else x) > 0
+
+
+def positive_before(x, y):
+    return (x if y is None else y) > 0
+
+
+def inside(lo: float, hi: float):
+    def mask(x, y):
+        # for the out-of-place call x is the input; in place, it is read before clamping
+        return (x > lo) & (x < hi)
+
+    return mask
