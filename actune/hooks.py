@@ -392,16 +392,13 @@ def compressed(level: str | Level = "L3",
 
 
 # ---------------------------------------------------------------------------------------------
-# Functions whose saved tensors are replaced by something smaller and still exact or unbiased.
+# The function mode: routes each call.
 
 
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
-
-# ---------------------------------------------------------------------------------------------
-# The function mode: routes each call.
 
 _MATMUL_FUNCS = {
     F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
