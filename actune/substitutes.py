@@ -335,7 +335,8 @@ def indices_from_offsets(offsets, in_spatial, kernel, stride, padding, dilation)
     return idx.long()
 
 
-def as_tuple(v, n):
+def as_tuple(v, n: int) -> tuple:
+    """A size argument as a tuple of ``n`` (an int stands for all dimensions)."""
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 
 
@@ -365,21 +366,26 @@ def silu_derivative(x, _y):
     return s.neg().add_(1).mul_(x).add_(1).mul_(s)
 
 
-def arg(args, kwargs, i, name, default):
+def arg(args: tuple, kwargs: dict, i: int, name: str, default):
+    """Argument ``i`` of a call, positional or by ``name`` (``default`` if absent)."""
     if len(args) > i:
         return args[i]
     return kwargs.get(name, default)
 
 
 def positive_after(x, y):
+    """ReLU's mask: where the output (or, before it exists, the input) is positive."""
     return (y if y is not None else x) > 0
 
 
 def positive_before(x, y):
+    """Leaky ReLU's mask: where the input was positive (the output has its sign)."""
     return (x if y is None else y) > 0
 
 
 def inside(lo: float, hi: float):
+    """Hardtanh's mask: where the input lies strictly between ``lo`` and ``hi``."""
+
     def mask(x, y):
         # for the out-of-place call x is the input; in place, it is read before clamping
         return (x > lo) & (x < hi)
