@@ -176,16 +176,12 @@ class SavedDerivative(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, fn, derivative, bits, session, of_input):
-        with torch.no_grad():
-            if of_input:
-                d = in_chunks(derivative, x)
-                ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
-                del d
-                return fn(x)
-            y = fn(x)
-            d = derivative(x, y)
+        # (forward runs without gradient recording: the derivative is a plain tensor)
+        y = None if of_input else fn(x)
+        d = in_chunks(derivative, x) if of_input else derivative(x, y)
         ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
-        return y
+        del d  # packed: freed before the output of an input-only derivative exists
+        return fn(x) if y is None else y
 
     @staticmethod
     def backward(ctx, grad):

@@ -83,35 +83,43 @@ class _TwoConvs(nn.Module):
         return self.b(self.a(x))
 
 
-def _peak(mode: str, lean: bool, monkeypatch) -> int:
-    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 2**20 if lean else 2**62)
+def _peak(model_cls, batch_shape: tuple, mode: str, threshold: int, monkeypatch,
+          backward: bool = True) -> int:
+    """Peak bytes of one u2 step of ``model_cls`` on a random batch of ``batch_shape`` (or of
+    its forward pass alone), the ordered and chunked paths taken from ``threshold`` elements."""
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", threshold)
 
     def build():
         torch.manual_seed(0)
-        model = _TwoConvs()
+        model = model_cls()
         return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(model, opt, batch, _sink):
-        x = torch.randn(batch, 3, 128, 128)
+        x = torch.randn(batch, *batch_shape[1:])
         opt.zero_grad(set_to_none=True)
         with actune.compressed("u2"):
             loss = model(x).mean()
-        loss.backward()
-        opt.step()
+        if backward:
+            loss.backward()
+            opt.step()
 
-    return StepMeter(build, step, mode).peak(4).total
+    return StepMeter(build, step, mode).peak(batch_shape[0]).total
+
+
+def _conv_peak(mode: str, lean: bool, monkeypatch) -> int:
+    return _peak(_TwoConvs, (4, 3, 128, 128), mode, 2**20 if lean else 2**62, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["measure", "estimate"])
 def test_ordered_conv_backward_frees_the_input_before_its_gradient(mode, monkeypatch):
     activation = 4 * 16 * 128 * 128 * 4  # conv b's input: 2**20 float32 elements
-    saved = _peak(mode, False, monkeypatch) - _peak(mode, True, monkeypatch)
+    saved = _conv_peak(mode, False, monkeypatch) - _conv_peak(mode, True, monkeypatch)
     assert 0.9 * activation <= saved <= 1.1 * activation
 
 
 def test_the_estimate_sees_the_ordered_backward_as_measured(monkeypatch):
-    measured = _peak("measure", True, monkeypatch)
-    assert abs(_peak("estimate", True, monkeypatch) - measured) <= 0.01 * measured
+    measured = _conv_peak("measure", True, monkeypatch)
+    assert abs(_conv_peak("estimate", True, monkeypatch) - measured) <= 0.01 * measured
 
 
 # -- packed values are freed as backward moves down -------------------------------------------
@@ -234,20 +242,9 @@ class _MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def _mlp_peak(mode: str, lean: bool, monkeypatch) -> int:
-    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 2**16 if lean else 2**62)
-
-    def build():
-        torch.manual_seed(0)
-        model = _MLP()
-        return model, torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def forward(model, _opt, batch, _sink):  # the forward pass alone: where GELU peaks
-        x = torch.randn(batch, 16, 64)
-        with actune.compressed("u2"):
-            model(x)
-
-    return StepMeter(build, forward, mode).peak(64).total
+def _mlp_peak(mode: str, lean: bool, monkeypatch) -> int:  # the forward alone: where GELU peaks
+    return _peak(_MLP, (64, 16, 64), mode, 2**16 if lean else 2**62, monkeypatch,
+                 backward=False)
 
 
 @pytest.mark.parametrize("mode", ["measure", "estimate"])

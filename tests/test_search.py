@@ -81,6 +81,20 @@ def test_prediction_on_a_curved_peak_is_exact_and_cheap(limit, curve):
     assert len(result.probes) <= 8  # bisection alone would need up to 26
 
 
+def interpolated(peaks: dict[int, int]):
+    """Peak bytes at any size from recorded ones: exact where recorded, linear between."""
+    sizes = sorted(peaks)
+
+    def peak(n: int) -> float:
+        if n in peaks:
+            return peaks[n]
+        a = max(s for s in sizes if s < n)
+        b = min(s for s in sizes if s > n)
+        return peaks[a] + (peaks[b] - peaks[a]) * (n - a) / (b - a)
+
+    return peak
+
+
 # Peaks measured on an H200 (torch.cuda.max_memory_allocated) for ResNet-50 at L0, 224x224,
 # by the bisection the measure mode used to run; 16 GiB budget, answer 194.
 H200_RESNET50_L0 = {8: 1028782592, 16: 1717368832, 32: 3070294016, 64: 5853181952,
@@ -96,16 +110,7 @@ def test_measured_peaks_are_predicted_from_too():
     from actune.memory.budget import Budget
     from actune.tune.run import Settings
 
-    sizes = sorted(H200_RESNET50_L0)
-
-    def peak(n: int) -> float:
-        if n in H200_RESNET50_L0:
-            return H200_RESNET50_L0[n]
-        a = max(s for s in sizes if s < n)
-        b = min(s for s in sizes if s > n)
-        pa, pb = H200_RESNET50_L0[a], H200_RESNET50_L0[b]
-        return pa + (pb - pa) * (n - a) / (b - a)
-
+    peak = interpolated(H200_RESNET50_L0)
     settings = Settings(Budget(16 << 30, "given with --budget"), mode="measure", device="cuda")
     budget = settings.search_budget
     result = largest_fitting(lambda n: Probe(n, peak(n) <= budget, int(peak(n))), start=8,
@@ -126,17 +131,9 @@ RESNET50_L3 = {8: 410724072, 16: 515435240, 1171: 17162261224, 1172: 17176739048
 def test_two_adjacent_fitting_sizes_give_the_local_slope():
     """Once a prediction and the size after it both fit, the line through those two (the
     slope where the answer is) predicts the last step; no bisection of the bracket."""
-    sizes = sorted(RESNET50_L3)
-
-    def peak(n: int) -> int:
-        if n in RESNET50_L3:
-            return RESNET50_L3[n]
-        a = max(s for s in sizes if s < n)
-        b = min(s for s in sizes if s > n)
-        return RESNET50_L3[a] + (RESNET50_L3[b] - RESNET50_L3[a]) * (n - a) // (b - a)
-
+    peak = interpolated(RESNET50_L3)
     budget = 16 << 30
-    result = largest_fitting(lambda n: Probe(n, peak(n) <= budget, peak(n)), start=8,
+    result = largest_fitting(lambda n: Probe(n, peak(n) <= budget, int(peak(n))), start=8,
                              budget=budget)
     assert result.value == 1172
     assert [p.size for p in result.probes] == [8, 16, 1289, 1171, 1172, 1173]
