@@ -2,8 +2,11 @@
 
 * ResNet-18/34/50/101/152 with torchvision's exact layouts (ResNet-50 has 25,557,032
   parameters, state_dict keys as torchvision's), scalable like ActNN's scaled ResNets in depth
-  (``depth`` multiplies the blocks per stage), width (``width`` multiplies the channels) and
-  input resolution (``resolution``, used by :func:`make_batch`).
+  (``depth`` multiplies the blocks per stage), width and input resolution (``resolution``, used
+  by :func:`make_batch`). ``width`` follows the wide-ResNet conventions: it multiplies every
+  channel count of a basic-block ResNet (Zagoruyko & Komodakis) and the inner (3x3) width of
+  each bottleneck, whose outer channels stay as they are (torchvision's ``width_per_group``,
+  as ``wide_resnet50_2`` and ActNN's width benchmark use it).
 * A small transformer classifier: embedding, attention written with functional calls, layer
   norm, GELU MLP.
 * A tiny CNN that trains in seconds on the CPU (8x8 inputs, e.g. scikit-learn's digits).
@@ -59,13 +62,14 @@ class Bottleneck(nn.Module):
     expansion = 4
 
     def __init__(self, cin: int, planes: int, stride: int = 1,
-                 downsample: nn.Module | None = None) -> None:
+                 downsample: nn.Module | None = None, width: float = 1.0) -> None:
         super().__init__()
-        self.conv1 = _conv1x1(cin, planes)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = _conv3x3(planes, planes, stride)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv3 = _conv1x1(planes, planes * 4)
+        inner = max(1, round(planes * width))  # torchvision: planes * width_per_group / 64
+        self.conv1 = _conv1x1(cin, inner)
+        self.bn1 = nn.BatchNorm2d(inner)
+        self.conv2 = _conv3x3(inner, inner, stride)
+        self.bn2 = nn.BatchNorm2d(inner)
+        self.conv3 = _conv1x1(inner, planes * 4)
         self.bn3 = nn.BatchNorm2d(planes * 4)
         self.relu = nn.ReLU(inplace=True)
         self.downsample = downsample
@@ -83,7 +87,9 @@ class ResNet(nn.Module):
     def __init__(self, block: type[BasicBlock | Bottleneck], layers: list[int],
                  num_classes: int = 1000, width: float = 1.0) -> None:
         super().__init__()
-        base = max(1, round(64 * width))
+        # bottlenecks widen inside (``Bottleneck(width=...)``), basic blocks everywhere
+        self.inner_width = width if block is Bottleneck else 1.0
+        base = 64 if block is Bottleneck else max(1, round(64 * width))
         self.inplanes = base
         self.conv1 = nn.Conv2d(3, base, 7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(base)
@@ -107,9 +113,10 @@ class ResNet(nn.Module):
         if stride != 1 or self.inplanes != planes * block.expansion:
             downsample = nn.Sequential(_conv1x1(self.inplanes, planes * block.expansion, stride),
                                        nn.BatchNorm2d(planes * block.expansion))
-        layers = [block(self.inplanes, planes, stride, downsample)]
+        widen = {"width": self.inner_width} if block is Bottleneck else {}
+        layers = [block(self.inplanes, planes, stride, downsample, **widen)]
         self.inplanes = planes * block.expansion
-        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        layers += [block(self.inplanes, planes, **widen) for _ in range(1, blocks)]
         return nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +136,10 @@ _RESNETS = {
 
 def resnet(variant: int = 50, *, depth: float = 1.0, width: float = 1.0,
            num_classes: int = 1000, resolution: int = 224) -> ResNet:
-    """ResNet-``variant`` with blocks per stage times ``depth`` and channels times ``width``.
+    """ResNet-``variant`` with blocks per stage times ``depth``, wider by ``width``.
+
+    ``width`` multiplies a bottleneck's inner width (ResNet-50 with ``width=2`` is
+    torchvision's ``wide_resnet50_2``) or, for basic-block ResNets, every channel count.
 
     ``resolution`` is accepted so every built-in factory takes the same scalable keywords; a
     ResNet takes any input size (use it with :func:`make_batch`).

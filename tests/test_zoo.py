@@ -37,6 +37,17 @@ def test_resnets_scale_in_depth_width_and_resolution():
     assert zoo.resnet(18, num_classes=7)(x).shape == (2, 7)
 
 
+@pytest.mark.parametrize(("variant", "params"), [(50, 68_883_240), (101, 126_886_696)])
+def test_bottleneck_width_is_torchvisions_wide_resnet(variant, params):
+    # wide_resnet50_2 / wide_resnet101_2: the inner 3x3 width doubles, the outer channels stay
+    with torch.device("meta"):
+        base, wide = zoo.resnet(variant), zoo.resnet(variant, width=2)
+    assert sum(p.numel() for p in wide.parameters()) == params
+    assert wide.layer1[0].conv2.out_channels == 2 * base.layer1[0].conv2.out_channels == 128
+    assert wide.layer1[0].conv3.out_channels == base.layer1[0].conv3.out_channels == 256
+    assert wide.conv1.out_channels == base.conv1.out_channels == 64
+
+
 def test_small_models_run():
     tokens, _ = zoo.make_batch(zoo.MODELS["transformer"], 2, 16)
     assert zoo.transformer(depth=0.25, width=0.25, resolution=16)(tokens).shape == (2, 10)
