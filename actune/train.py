@@ -18,7 +18,7 @@ from actune.convert import autoprec_of, compress
 from actune.data import Dataset
 from actune.levels import Level
 
-__all__ = ["EpochResult", "accuracy", "train"]
+__all__ = ["EpochResult", "accuracy", "default_optimizer", "train"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
     model = build_model().to(device)
     compress(model, level, every=every, per_sample=per_sample)
     model.train()
-    optimizer = (make_optimizer or _default_optimizer)(model.parameters())
+    optimizer = (make_optimizer or default_optimizer)(model.parameters())
     order = torch.Generator().manual_seed(seed)
     ap = autoprec_of(model)
     for epoch in range(1, epochs + 1):
@@ -98,5 +98,7 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
         keep(model, ap)
 
 
-def _default_optimizer(parameters) -> torch.optim.Optimizer:
-    return torch.optim.SGD(parameters, lr=0.02, momentum=0.9)
+def default_optimizer(parameters) -> torch.optim.Optimizer:
+    """SGD, lr 0.01, momentum 0.9: what :func:`train` and a model file without
+    ``make_optimizer`` use."""
+    return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)

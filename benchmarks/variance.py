@@ -52,6 +52,7 @@ def trained(factory, data, epochs: int):
         return factory(), None
     kept = {}
     for _ in train(factory, data, get_level("L3"), epochs=epochs, seed=0, per_sample=True,
+                   make_optimizer=lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9),
                    keep=lambda m, ap: kept.update(model=m, ap=ap)):
         pass
     return kept["model"], kept["ap"].sensitivity

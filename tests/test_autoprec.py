@@ -232,6 +232,10 @@ def test_per_sample_bits_are_used_in_training_steps():
     assert stats
 
 
+def _sgd_002(parameters):  # the rate these two-epoch checks were sized with
+    return torch.optim.SGD(parameters, lr=0.02, momentum=0.9)
+
+
 def test_mixed_precision_training_on_digits_lowers_the_loss_like_exact_training():
     from actune.data import digits
 
@@ -240,7 +244,8 @@ def test_mixed_precision_training_on_digits_lowers_the_loss_like_exact_training(
 
     finals = {}
     for name in ("L0", "L3", "2b", "1.25b"):
-        result = list(train(zoo.tiny_cnn, data, get_level(name), epochs=2, seed=0, every=10))
+        result = list(train(zoo.tiny_cnn, data, get_level(name), epochs=2, seed=0, every=10,
+                            make_optimizer=_sgd_002))
         finals[name] = result[-1]
     for name, r in finals.items():
         assert r.loss < 0.6, (name, r)  # from ln(10) = 2.3
@@ -313,7 +318,7 @@ def test_named_samples_cut_the_variance_of_a_trained_model():
     data = digits()
     kept = {}
     for _ in train(zoo.tiny_cnn, data, get_level("2b"), epochs=2, seed=0, per_sample=True,
-                   keep=lambda m, ap: kept.update(model=m, ap=ap)):
+                   make_optimizer=_sgd_002, keep=lambda m, ap: kept.update(model=m, ap=ap)):
         pass
     assert kept["ap"].sensitivity is not None
     res = {r.level: r.quant_variance

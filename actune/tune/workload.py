@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from actune import data, zoo
 from actune.data import Dataset
+from actune.train import default_optimizer
 
 __all__ = ["DIMENSIONS", "Workload", "WorkloadError", "builtin", "from_source", "load"]
 
@@ -41,10 +42,6 @@ class WorkloadError(Exception):
     """A model file (or built-in model) that cannot be used, and what to fix."""
 
 
-def _default_optimizer(parameters) -> torch.optim.Optimizer:
-    return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
-
-
 @dataclass
 class Workload:
     """A model to tune: factory, batch maker, loss and optimizer."""
@@ -53,7 +50,7 @@ class Workload:
     factory: Callable[..., nn.Module]
     batch: Callable[..., tuple]
     loss: Callable = F.cross_entropy
-    optimizer: Callable = _default_optimizer
+    optimizer: Callable = default_optimizer
     dims: dict[str, float] = field(default_factory=dict)  # scalable keyword -> default value
     source: str = ""  # the model file's path, or "builtin:NAME" (to rebuild it elsewhere)
     dataset_fn: Callable | None = None  # make_dataset(): real data for training
@@ -215,7 +212,7 @@ def load(path: str | Path) -> Workload:
     dims = {d: params[d].default for d in DIMENSIONS if d in params}
     return Workload(p.stem, factory, module.make_batch,
                     loss=getattr(module, "loss_fn", F.cross_entropy),
-                    optimizer=getattr(module, "make_optimizer", _default_optimizer),
+                    optimizer=getattr(module, "make_optimizer", default_optimizer),
                     dims=dims, source=str(p.resolve()),
                     dataset_fn=getattr(module, "make_dataset", None))
 
