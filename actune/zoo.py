@@ -51,10 +51,16 @@ class BasicBlock(nn.Module):
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += identity  # in place, as torchvision's blocks: the sum needs no new tensor
+        # torchvision's statements in torchvision's order (see Bottleneck.forward)
+        identity = x
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = self.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity  # in place: the sum needs no new tensor
         return self.relu(out)
 
 
@@ -75,11 +81,22 @@ class Bottleneck(nn.Module):
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        out += identity
+        # torchvision's statements in torchvision's order, which sets what is alive at the
+        # forward peak: each statement rebinds ``out``, so a convolution's input is freed
+        # before its batch norm runs (a nested call would hold it), and the shortcut's
+        # projection is computed last, so its output does not live through the main path
+        identity = x
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = self.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        out = self.relu(out)
+        out = self.conv3(out)
+        out = self.bn3(out)
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity  # in place: the sum needs no new tensor
         return self.relu(out)
 
 

@@ -137,3 +137,26 @@ def test_two_adjacent_fitting_sizes_give_the_local_slope():
                              budget=budget)
     assert result.value == 1172
     assert [p.size for p in result.probes] == [8, 16, 1289, 1171, 1172, 1173]
+
+
+# Estimated peaks of ResNet-152 at L3, batch 64, by input resolution (`actune scale --dim
+# resolution --model resnet152 --batch 64 --budget 16GiB`), step 8: the peak bends upwards
+# (it grows with the square of the resolution), so the slope between two neighbouring fitting
+# sizes points past the answer; answer 872.
+RESNET152_L3_RESOLUTION = {
+    224: 1566520856, 448: 4818076184, 776: 13619892248, 784: 13759889944, 872: 17053290008,
+    880: 17210520088, 888: 17664195608, 896: 17824297496, 904: 18286233624, 912: 18449207832,
+    920: 18919258648, 928: 19085104664, 936: 19563416088, 944: 19732134424, 952: 20218560536,
+    960: 20390150680, 968: 20884837400, 976: 21059299864, 1296: 36764090904}
+
+
+def test_a_local_slope_that_points_past_a_failed_size_is_dropped():
+    """Once the local slope has predicted a size that did not fit, the bracket's own line
+    takes over: the search does not walk down from the failed size one step at a time (it
+    took 19 trials that way)."""
+    peak = interpolated(RESNET152_L3_RESOLUTION)
+    budget = 16 << 30
+    result = largest_fitting(lambda n: Probe(n, peak(n) <= budget, int(peak(n))), start=224,
+                             step=8, budget=budget)
+    assert result.value == 872
+    assert len(result.probes) <= 9, [p.size for p in result.probes]

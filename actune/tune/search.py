@@ -113,9 +113,10 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
 
     A line through the two largest fitting probes is extrapolated to the budget; once a size
     does not fit, the line runs between the two ends of the bracket, or between two
-    neighbouring sizes that both fit (the local slope, exact where peaks bend). A prediction
-    that fits is checked by probing the next size; an end that moves twice running without
-    closing the bracket is followed by a bisection. Returns the (lo, hi) bracket reached (hi
+    neighbouring sizes that both fit (the local slope, exact where peaks bend) while it points
+    below the smallest size that failed. A prediction that fits is checked by probing the next
+    size; an end that moves twice running without closing the bracket is followed by a
+    bisection. Returns the (lo, hi) bracket reached (hi
     None: nothing failed yet, the caller grows geometrically).
     """
     fit = [(lo, probe(lo).peak)]
@@ -134,25 +135,29 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
     while hi is None or hi - lo > step:
         if maximum is not None and lo >= maximum:
             return lo, None
-        line = None
-        adjacent = len(fit) > 1 and fit[-1][0] - fit[-2][0] == step
-        if adjacent:  # two neighbouring sizes fit: the slope where the answer is
-            line = (fit[-2], fit[-1])
+        local = None
+        if len(fit) > 1 and fit[-1][0] - fit[-2][0] == step:  # two neighbouring sizes fit
+            local = (fit[-2], fit[-1])  # the slope where the answer is
+            crossing = _crossing(local, budget)
+            if hi is not None and (crossing is None or crossing >= hi):
+                local = None  # it points past a size that failed: spent, use the bracket
+        if local is not None:
+            line = local
         elif hi is not None and hi_peak is not None:
             line = (fit[-1], (hi, hi_peak))
         elif hi is None and len(fit) > 1:
             line = (fit[-2], fit[-1])
+        else:
+            line = None
         stalled = (hi is not None and len(moves) >= 2 and moves[-1] == moves[-2] and not check
-                   and not adjacent)
+                   and local is None)
+        guess = None if line is None or stalled else _crossing(line, budget)
         if check:
             guess = lo + step
-        elif line is None or line[0][1] == line[1][1] or stalled:
+        elif guess is None:
             if hi is None:
                 return lo, None
             guess = (lo + hi) // 2
-        else:
-            (a, pa), (b, pb) = line
-            guess = a + (budget - pa) * (b - a) / (pb - pa)
         guess = max(_round_down(guess, step), lo + step)
         if hi is not None:
             guess = min(guess, hi - step)
@@ -168,3 +173,11 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
             check = False
             hi, hi_peak = guess, p.peak
     return lo, hi
+
+
+def _crossing(line: tuple[tuple[int, int], tuple[int, int]], budget: int) -> float | None:
+    """Where the line through two (size, peak) points reaches ``budget`` (None if flat)."""
+    (a, pa), (b, pb) = line
+    if pa == pb:
+        return None
+    return a + (budget - pa) * (b - a) / (pb - pa)
