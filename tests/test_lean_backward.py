@@ -47,6 +47,31 @@ def test_ordered_conv_backward_gives_pytorchs_gradients(func, shape, kw, bias, m
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_channels_last_gradients_keep_pytorchs_layout(lean, monkeypatch):
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0 if lean else 2**62)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, 3, padding=1).double().to(memory_format=torch.channels_last)
+    leaf = torch.randn(2, 4, 9, 11, dtype=torch.float64).to(
+        memory_format=torch.channels_last).requires_grad_()
+
+    def input_grad(level):  # the gradient reaching the convolution's input, as it arrives
+        seen = []
+        x = leaf * 1
+        x.register_hook(seen.append)
+        with actune.compressed(level):
+            out = conv(x)
+        out.sum().backward()
+        return out, seen[0]
+
+    _, expected = input_grad("L0")
+    out, got = input_grad(actune.Level("t", matmul_bits=8, min_numel=1))
+    assert (type(out.grad_fn).__name__ == "OrderedConvBackward") == lean
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert got.stride() == expected.stride()  # channels_last, as PyTorch's own
+    torch.testing.assert_close(got, expected)  # the input gradient needs no input
+
+
 def test_frozen_weights_and_inputs_without_gradients(monkeypatch):
     monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0)
     conv = nn.Conv2d(3, 4, 3, padding=1)
