@@ -105,7 +105,7 @@ class ResNet(nn.Module):
                  num_classes: int = 1000, width: float = 1.0) -> None:
         super().__init__()
         # bottlenecks widen inside (``Bottleneck(width=...)``), basic blocks everywhere
-        self.inner_width = width if block is Bottleneck else 1.0
+        self._inner_width = width if block is Bottleneck else 1.0
         base = 64 if block is Bottleneck else max(1, round(64 * width))
         self.inplanes = base
         self.conv1 = nn.Conv2d(3, base, 7, stride=2, padding=3, bias=False)
@@ -130,7 +130,7 @@ class ResNet(nn.Module):
         if stride != 1 or self.inplanes != planes * block.expansion:
             downsample = nn.Sequential(_conv1x1(self.inplanes, planes * block.expansion, stride),
                                        nn.BatchNorm2d(planes * block.expansion))
-        widen = {"width": self.inner_width} if block is Bottleneck else {}
+        widen = {"width": self._inner_width} if block is Bottleneck else {}
         layers = [block(self.inplanes, planes, stride, downsample, **widen)]
         self.inplanes = planes * block.expansion
         layers += [block(self.inplanes, planes, **widen) for _ in range(1, blocks)]

@@ -116,8 +116,8 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
     neighbouring sizes that both fit (the local slope, exact where peaks bend) while it points
     below the smallest size that failed. A prediction that fits is checked by probing the next
     size; an end that moves twice running without closing the bracket is followed by a
-    bisection. Returns the (lo, hi) bracket reached (hi
-    None: nothing failed yet, the caller grows geometrically).
+    bisection. Returns the (lo, hi) bracket reached (hi None: nothing failed yet, the caller
+    grows geometrically).
     """
     fit = [(lo, probe(lo).peak)]
     hi = hi_peak = None
