@@ -160,3 +160,29 @@ def test_a_local_slope_that_points_past_a_failed_size_is_dropped():
                              step=8, budget=budget)
     assert result.value == 872
     assert len(result.probes) <= 9, [p.size for p in result.probes]
+
+
+@given(increments=st.lists(st.integers(0, 1000), min_size=4, max_size=400),
+       fraction=st.floats(0.0, 1.2), start=st.integers(1, 64), step=st.sampled_from([1, 4, 8]))
+def test_prediction_is_exact_on_any_monotone_peaks(increments, fraction, start, step):
+    """Peaks that grow in any steps (flat runs, jumps, bends either way): the answer is the
+    exact largest fitting multiple of the step, whatever the lines predict on the way, and no
+    size is tried twice."""
+    peaks = [1000]
+    for inc in increments:
+        peaks.append(peaks[-1] + inc)
+    budget = int(peaks[0] + fraction * (peaks[-1] - peaks[0]))
+
+    def peak(n: int) -> int:  # beyond the recorded sizes the last increment repeats
+        extra = max(0, n - len(peaks) + 1) * (increments[-1] + 1)
+        return peaks[min(n, len(peaks) - 1)] + extra
+
+    result = largest_fitting(lambda n: Probe(n, peak(n) <= budget, peak(n)), start=start,
+                             step=step, budget=budget)
+    expected, n = None, step  # peaks grow past the recorded sizes, so this scan ends
+    while peak(n) <= budget or n < len(peaks):
+        expected = n if peak(n) <= budget else expected
+        n += step
+    assert result.value == expected
+    sizes = [p.size for p in result.probes]
+    assert len(sizes) == len(set(sizes))
