@@ -38,6 +38,7 @@ class LevelResult:
     uncompressed_activation_bytes: int | None = None
     host_bytes: int = 0
     peak_parts: dict = field(default_factory=dict)  # parameters, gradients, optimizer, ...
+    peak_at: str = ""  # phase and innermost module at the peak, e.g. "forward, layer1.2.bn3"
     samples_per_s: float | None = None
     probes: list[dict] = field(default_factory=list)
     complete: bool = True
@@ -138,4 +139,8 @@ def render(report: Report, console: Console) -> None:
         note = r.note + ("" if r.complete else " interrupted")
         note += " capped by --max" if r.capped else ""
         table.add_row(r.level, *row, note.strip())
+    places = [f"{r.level} {r.peak_at}" for r in report.levels if r.peak_at]
+    if places:
+        table.caption = "peak at: " + "; ".join(places)
+        table.caption_justify = "left"
     console.print(table)

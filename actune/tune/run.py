@@ -74,6 +74,7 @@ def _fill(row: LevelResult, peak) -> None:
     row.uncompressed_activation_bytes = peak.saved_uncompressed
     row.peak_parts = {k: getattr(peak, k) for k in ("parameters", "gradients", "optimizer",
                                                      "activations", "temporaries", "other")}
+    row.peak_at = peak.where
 
 
 def _reporter(on_probe: Callable | None, level: Level) -> Callable[[Probe], None] | None:

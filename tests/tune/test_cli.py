@@ -5,6 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from actune import zoo
 from actune.cli import app
 
 runner = CliRunner()
@@ -38,6 +39,12 @@ def test_maxbatch_writes_versioned_json_and_compression_gains(tmp_path):
     assert sum(parts.values()) == l3["peak_bytes"]
     assert l3["probes"] and all({"size", "fits", "peak"} <= p.keys() for p in l3["probes"])
     assert "max batch" in result.output and "L3" in result.output
+    # where each level peaks: the phase and a module of the model, in the JSON and the table
+    modules = {name for name, _ in zoo.resnet(18).named_modules() if name}
+    for level in (l0, l3):
+        phase, _, module = level["peak_at"].partition(", ")
+        assert phase in ("forward", "backward") and module in modules, level["peak_at"]
+    assert "peak at: L0 " in " ".join(result.output.split())
 
 
 def test_max_caps_the_search():

@@ -1,6 +1,7 @@
 """Budgets, the NVML probe, and estimated against measured peaks."""
 
 import pytest
+import torch
 
 from actune.levels import LEVELS
 from actune.memory import parse_budget, probe
@@ -113,3 +114,46 @@ def test_bench_times_a_cache_emptying_level_alone_on_a_gpu_and_keeps_the_order(m
     assert together == [["L0", "L3"]]
     assert [r.level for r in report.levels] == ["L0", "L5", "L3"]
     assert [r.samples_per_s for r in report.levels] == [50.0, 100.0, 50.0]
+
+
+class _Wide(torch.nn.Module):
+    """A forward temporary 200 times the activations, inside this module only (detached:
+    nothing of it in backward)."""
+
+    def forward(self, x):
+        return x + x.detach().repeat(1, 200).mean(dim=1, keepdim=True)
+
+
+class _WideGrad(torch.autograd.Function):
+    """Identity whose backward alone makes a temporary 200 times the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + grad.repeat(1, 200).mean(dim=1, keepdim=True)
+
+
+class _WideBackward(torch.nn.Module):
+    def forward(self, x):
+        return _WideGrad.apply(x)
+
+
+@pytest.mark.parametrize(("wide", "where"), [(_Wide, "forward, 1"),
+                                             (_WideBackward, "backward, 1")])
+def test_the_peak_says_where_it_is(wide, where):
+    from actune.memory import StepMeter
+
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), wide(), torch.nn.Linear(64, 4))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(model, opt, batch, _sink):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(batch, 64)).sum().backward()
+        opt.step()
+
+    for mode in ("estimate", "measure"):  # the fake step and the real CPU step agree
+        assert StepMeter(build, step, mode).peak(256).where == where
