@@ -62,6 +62,7 @@ class _PeakTracker(MemTracker):
         super().__init__()
         self.where: dict[torch.device, str] = {}
         self._entered: dict[str, int] = {}  # module name -> when it last began (fw or bw)
+        self._kinds: dict[str, str] = {}  # module name -> its class's name
         self._clock = 0
 
     def _pre_fw_hook(self, module, inputs) -> None:
@@ -77,6 +78,7 @@ class _PeakTracker(MemTracker):
         if name is not None:
             self._clock += 1
             self._entered[name] = self._clock
+            self._kinds[name] = type(module).__name__
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
@@ -97,7 +99,8 @@ class _PeakTracker(MemTracker):
         # "running" until its inputs' gradients are complete, so depth alone misleads)
         innermost = max(running, key=lambda name: (self._entered.get(name, 0), name.count(".")))
         _root, _, inside = innermost.partition(".")  # names start with the model's class
-        return f"{phase}, {inside or innermost}"
+        kind = self._kinds.get(innermost)
+        return f"{phase}, {inside or innermost}" + (f" ({kind})" if inside and kind else "")
 
 
 # A training step: given the model, its optimizer, a batch size and a callback for the

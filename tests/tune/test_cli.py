@@ -40,10 +40,12 @@ def test_maxbatch_writes_versioned_json_and_compression_gains(tmp_path):
     assert l3["probes"] and all({"size", "fits", "peak"} <= p.keys() for p in l3["probes"])
     assert "max batch" in result.output and "L3" in result.output
     # where each level peaks: the phase and a module of the model, in the JSON and the table
-    modules = {name for name, _ in zoo.resnet(18).named_modules() if name}
+    modules = {name: m for name, m in zoo.resnet(18).named_modules() if name}
     for level in (l0, l3):
-        phase, _, module = level["peak_at"].partition(", ")
+        phase, _, place = level["peak_at"].partition(", ")
+        module, _, kind = place.partition(" ")  # "layer1.0.bn1 (BatchNorm2d)"
         assert phase in ("forward", "backward") and module in modules, level["peak_at"]
+        assert kind == f"({type(modules[module]).__name__})", level["peak_at"]
     assert "peak at: L0 " in " ".join(result.output.split())
 
 

@@ -141,8 +141,8 @@ class _WideBackward(torch.nn.Module):
         return _WideGrad.apply(x)
 
 
-@pytest.mark.parametrize(("wide", "where"), [(_Wide, "forward, 1"),
-                                             (_WideBackward, "backward, 1")])
+@pytest.mark.parametrize(("wide", "where"), [(_Wide, "forward, 1 (_Wide)"),
+                                             (_WideBackward, "backward, 1 (_WideBackward)")])
 def test_the_peak_says_where_it_is(wide, where):
     from actune.memory import StepMeter
 
