@@ -37,7 +37,19 @@ def _conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
 
 
-class BasicBlock(nn.Module):
+class _Residual(nn.Module):
+    """A block's ending as torchvision writes it: the shortcut's projection (if any) after the
+    main path, so its output does not live through it; the sum in place; the last ReLU."""
+
+    downsample: nn.Module | None
+    relu: nn.ReLU
+
+    def _join(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out += x if self.downsample is None else self.downsample(x)
+        return self.relu(out)
+
+
+class BasicBlock(_Residual):
     expansion = 1
 
     def __init__(self, cin: int, planes: int, stride: int = 1,
@@ -52,19 +64,15 @@ class BasicBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torchvision's statements in torchvision's order (see Bottleneck.forward)
-        identity = x
         out = self.conv1(x)
         out = self.bn1(out)
         out = self.relu(out)
         out = self.conv2(out)
         out = self.bn2(out)
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity  # in place: the sum needs no new tensor
-        return self.relu(out)
+        return self._join(out, x)
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(_Residual):
     expansion = 4
 
     def __init__(self, cin: int, planes: int, stride: int = 1,
@@ -83,9 +91,7 @@ class Bottleneck(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torchvision's statements in torchvision's order, which sets what is alive at the
         # forward peak: each statement rebinds ``out``, so a convolution's input is freed
-        # before its batch norm runs (a nested call would hold it), and the shortcut's
-        # projection is computed last, so its output does not live through the main path
-        identity = x
+        # before its batch norm runs (a nested call would hold it); the shortcut comes last
         out = self.conv1(x)
         out = self.bn1(out)
         out = self.relu(out)
@@ -94,10 +100,7 @@ class Bottleneck(nn.Module):
         out = self.relu(out)
         out = self.conv3(out)
         out = self.bn3(out)
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity  # in place: the sum needs no new tensor
-        return self.relu(out)
+        return self._join(out, x)
 
 
 class ResNet(nn.Module):

@@ -184,16 +184,22 @@ def test_packed_values_are_released_by_backward_not_when_the_graph_dies():
         loss.backward()
 
 
-def test_retain_graph_keeps_packed_values_for_a_second_backward():
-    model, x = _relu_net(), torch.randn(4, 3, 16, 16)
-    with actune.compressed("u2"):
+def _two_backwards(model, x, level):
+    """Parameter gradients of two backward passes through one retained graph."""
+    with actune.compressed(level):
         loss = model(x).square().sum()
     loss.backward(retain_graph=True)
     first = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     loss.backward()
-    for a, p in zip(first, model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, a)
+    return first, [p.grad for p in model.parameters()]
+
+
+def test_retain_graph_keeps_packed_values_for_a_second_backward():
+    model = _relu_net()
+    first, second = _two_backwards(model, torch.randn(4, 3, 16, 16), "u2")
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(b, a)
 
 
 def test_the_ordered_conv_follows_autocast(monkeypatch):
@@ -284,14 +290,9 @@ def test_gelu_backward_in_place_keeps_retain_graph_exact():
     """The derivative's dequantized copy becomes the input gradient; a retained graph
     dequantizes it again for a second backward, which gives the same gradients."""
     model, x = _MLP(), torch.randn(8, 16, 64)
-    with actune.compressed("u4"):
-        loss = model(x).square().sum()
-    loss.backward(retain_graph=True)
-    first = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    loss.backward()
-    for a, p in zip(first, model.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, a, rtol=0, atol=0)
+    first, second = _two_backwards(model, x, "u4")
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
     with actune.compressed("u8"), torch.random.fork_rng():
         loss = model(x).square().sum()
     model.zero_grad()

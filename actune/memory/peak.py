@@ -61,8 +61,8 @@ class _PeakTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self.where: dict[torch.device, str] = {}
-        self._entered: dict[str, int] = {}  # module name -> when it last began (fw or bw)
-        self._kinds: dict[str, str] = {}  # module name -> its class's name
+        # module name -> (when it last began, forward or backward; its class's name)
+        self._entered: dict[str, tuple[int, str]] = {}
         self._clock = 0
 
     def _pre_fw_hook(self, module, inputs) -> None:
@@ -77,8 +77,7 @@ class _PeakTracker(MemTracker):
         name = self._mod_tracker.get_known_fqn(module)
         if name is not None:
             self._clock += 1
-            self._entered[name] = self._clock
-            self._kinds[name] = type(module).__name__
+            self._entered[name] = (self._clock, type(module).__name__)
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
@@ -97,9 +96,10 @@ class _PeakTracker(MemTracker):
             return f"{phase}, outside modules"
         # the module begun last among those still running (in backward a module stays
         # "running" until its inputs' gradients are complete, so depth alone misleads)
-        innermost = max(running, key=lambda name: (self._entered.get(name, 0), name.count(".")))
+        innermost = max(running, key=lambda name: (self._entered.get(name, (0,))[0],
+                                                    name.count(".")))
         _root, _, inside = innermost.partition(".")  # names start with the model's class
-        kind = self._kinds.get(innermost)
+        kind = self._entered.get(innermost, (0, None))[1]
         return f"{phase}, {inside or innermost}" + (f" ({kind})" if inside and kind else "")
 
 
