@@ -3,6 +3,7 @@
 from actune.autoprec import AutoPrecision, allocate
 from actune.convert import autoprec_of, compress, decompress, is_compressed, summary
 from actune.hooks import CompressionStats, compressed
+from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import LEVELS, Level, get_level, parse_levels
 from actune.quant import PackedMask, PackedTensor, dequantize, pack_mask, quantize, unpack_mask
 from actune.saved import DoubleBackwardError
@@ -19,11 +20,13 @@ __all__ = [
     "PackedTensor",
     "__version__",
     "allocate",
+    "allow_inplace_norms",
     "autoprec_of",
     "compress",
     "compressed",
     "decompress",
     "dequantize",
+    "disallow_inplace_norms",
     "get_level",
     "is_compressed",
     "pack_mask",

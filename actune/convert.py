@@ -18,6 +18,7 @@ from torch import nn
 
 from actune.autoprec import AutoPrecision
 from actune.hooks import compressed, shared_cache
+from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
 
 __all__ = ["ConversionRow", "autoprec_of", "compress", "decompress", "is_compressed",
@@ -121,7 +122,7 @@ def is_compressed(module: nn.Module) -> bool:
 
 
 def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50,
-             per_sample: bool = True) -> nn.Module:
+             per_sample: bool = True, inplace: bool = True) -> nn.Module:
     """Convert ``model``'s supported layers in place to compressed counterparts; returns it.
 
     Works before or after ``.to(device)``; converting again just sets the new level;
@@ -130,7 +131,8 @@ def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50,
     :func:`actune.compressed` for those. A mixed-precision level (L3-L5, ``"2b"``, ``"1.25b"``)
     attaches an :class:`~actune.autoprec.AutoPrecision` (see :func:`autoprec_of`); each
     forward pass in training mode is one step of it, ``every`` steps between allocations,
-    ``per_sample`` bits per sample too.
+    ``per_sample`` bits per sample too. ``inplace``: batch norms that are the only reader of
+    a convolution's output write their result over it (:func:`allow_inplace_norms`).
     """
     lv = get_level(level)
     if lv.exact:
@@ -152,6 +154,10 @@ def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50,
     if not hasattr(model, "_actune_handles"):
         model._actune_handles = (model.register_forward_pre_hook(_enter_forward),
                                  model.register_forward_hook(_exit_forward, always_call=True))
+    if inplace:
+        allow_inplace_norms(model)
+    else:
+        disallow_inplace_norms(model)
     return model
 
 
@@ -168,6 +174,7 @@ def decompress(model: nn.Module) -> nn.Module:
     for handle in model.__dict__.pop("_actune_handles", ()):
         handle.remove()
     model.__dict__.pop(_AUTOPREC_ATTR, None)
+    disallow_inplace_norms(model)
     return model
 
 

@@ -45,12 +45,15 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
+from actune import substitutes
 from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level, get_level
 from actune.quant import PackedMask, pack_mask, quantize, quantize_samples
 from actune.saved import Saved
 from actune.substitutes import (
+    LeanBatchNorm,
     MaskedDropout,
     MaskedLinear,
     OffsetMaxPool,
@@ -68,7 +71,7 @@ from actune.substitutes import (
     silu_derivative,
 )
 
-__all__ = ["CompressionStats", "compressed", "shared_cache"]
+__all__ = ["CompressionStats", "allow_overwrite", "compressed", "shared_cache"]
 
 
 # Which ops' saved tensors are quantized, and with which of the level's bit widths.
@@ -126,6 +129,8 @@ class _Session:
         self.only_shape: torch.Size | None = None  # a norm: only tensors of its input's shape
         self.references: tuple = ()  # a norm's other tensor arguments (buffers): references
         self.last_matmul = None  # statistics steps: the last matmul call (output, func, args)
+        # tensors a batch norm may write its result over, once (allow_overwrite)
+        self.overwritable = WeakIdKeyDictionary()
         self._exit: contextlib.ExitStack | None = None
 
     @property
@@ -340,6 +345,15 @@ def _session() -> _Session:
     return s
 
 
+def allow_overwrite(t: torch.Tensor) -> torch.Tensor:
+    """Let a training-mode batch norm under :func:`compressed` write its result over ``t``
+    (it packs ``t`` first): for a tensor nothing else reads, such as a convolution's output
+    whose only reader is that batch norm (:func:`actune.inplace.allow_inplace_norms` finds
+    those). Returns ``t``."""
+    _session().overwritable[t] = True
+    return t
+
+
 @contextlib.contextmanager
 def shared_cache(autoprec: AutoPrecision | None = None) -> Iterator[None]:
     """Within this block, compressed() contexts that open and close (one per layer of a
@@ -499,10 +513,20 @@ class _FunctionMode(TorchFunctionMode):
         conv = None
         if func in _PLAIN_CONVS and level.matmul_bits is not None:
             conv = conv_args(func, args, kwargs)
+        norm = None
+        if func is F.batch_norm and level.other_bits is not None:
+            norm = _lean_norm_args(s, args, kwargs)
         previous = s.kind, s.only_shape, s.references
         s.kind, s.only_shape, s.references = kind, only, refs
         try:
-            return func(*args, **kwargs) if conv is None else OrderedConv.apply(*conv)
+            if conv is not None:
+                return OrderedConv.apply(*conv)
+            if norm is not None:
+                out = LeanBatchNorm.apply(*norm, s.pack_hook)
+                if out is norm[0]:  # overwritten: a new value, in its own storage in PyTorch
+                    s.seen.pop(_storage_key(out)[:-1], None)
+                return out
+            return func(*args, **kwargs)
         finally:
             s.kind, s.only_shape, s.references = previous
 
@@ -574,6 +598,26 @@ class _FunctionMode(TorchFunctionMode):
             dtype = kwargs.get("dtype")
             return TwoCopySoftmax.apply(x, dim, dtype, bits, s)
         return None
+
+
+def _lean_norm_args(s: _Session, args, kwargs) -> tuple | None:
+    """(x, weight, bias, running_mean, running_var, momentum, eps, overwrite) of a training-mode
+    batch norm that :class:`LeanBatchNorm` should run, or None (PyTorch's own: small inputs,
+    half precision, autocast)."""
+    x = args[0]
+    weight, bias = arg(args, kwargs, 3, "weight", None), arg(args, kwargs, 4, "bias", None)
+    momentum = arg(args, kwargs, 6, "momentum", 0.1)
+    if (not arg(args, kwargs, 5, "training", False) or x.dim() < 2
+            or x.numel() < substitutes.LEAN_NUMEL or x.dtype not in (torch.float32, torch.float64)
+            or torch.is_autocast_enabled(x.device.type) or not isinstance(momentum, float | int)
+            or any(t is not None and t.dtype != x.dtype for t in (weight, bias))):
+        return None
+    ap = s.allocator()
+    overwrite = (s.overwritable.pop(x, False) and not x.is_leaf and x._base is None
+                 and not (ap is not None and ap.collecting))  # statistics read the input after
+    return (x, weight, bias, arg(args, kwargs, 1, "running_mean", None),
+            arg(args, kwargs, 2, "running_var", None), float(momentum),
+            float(arg(args, kwargs, 7, "eps", 1e-5)), overwrite)
 
 
 _NORMS = {F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm, F.rms_norm}

@@ -15,12 +15,12 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.saved import check_double_backward, take
+from actune.saved import Saved, check_double_backward, take
 
-__all__ = ["LEAN_NUMEL", "MaskedDropout", "MaskedLinear", "OffsetMaxPool", "OrderedConv",
-           "PackedReLU", "SavedDerivative", "TwoCopySoftmax", "arg", "as_tuple", "conv_args",
-           "gelu_derivative", "in_chunks", "indices_from_offsets", "inside", "positive_after",
-           "positive_before", "silu_derivative", "window_offsets"]
+__all__ = ["LEAN_NUMEL", "LeanBatchNorm", "MaskedDropout", "MaskedLinear", "OffsetMaxPool",
+           "OrderedConv", "PackedReLU", "SavedDerivative", "TwoCopySoftmax", "arg", "as_tuple",
+           "conv_args", "gelu_derivative", "in_chunks", "indices_from_offsets", "inside",
+           "positive_after", "positive_before", "silu_derivative", "window_offsets"]
 
 
 class MaskedLinear(torch.autograd.Function):
@@ -98,6 +98,69 @@ class OrderedConv(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
+class LeanBatchNorm(torch.autograd.Function):
+    """Batch norm in training mode whose backward needs two activation-sized tensors, not
+    three, and whose forward may write its result over its input.
+
+    PyTorch's backward holds the output gradient, the dequantized input and the input
+    gradient together. This one computes the per-channel sums first (in slices of the batch)
+    and then writes the input gradient over the dequantized input, a fresh copy that nothing
+    else reads. With ``overwrite`` (the input is a convolution's output that nothing else reads,
+    see :func:`actune.inplace.allow_inplace_norms`) the forward packs its input and then
+    writes its result over it, so input and output are never alive together. ``saved`` packs
+    the input (the hooks' own packing: bits, sharing, offload) and says whether it was kept
+    as it is, in which case the input is never overwritten."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, overwrite,
+                save):
+        dims = [0, *range(2, x.dim())]
+        var, mean = torch.var_mean(x, dims, correction=0)
+        invstd = (var + eps).rsqrt()
+        count = x.numel() // x.shape[1]
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        if running_var is not None:
+            running_var.mul_(1 - momentum).add_(var, alpha=momentum * count / max(count - 1, 1))
+        ctx.x = save(x)
+        ctx.stats = (mean, invstd, count)
+        ctx.save_for_backward(weight)
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        scale = invstd if weight is None else invstd * weight
+        shift = -mean * scale if bias is None else bias - mean * scale
+        if overwrite and ctx.x is not x:
+            ctx.mark_dirty(x)
+            return torch.addcmul(shift.view(shape), x, scale.view(shape), out=x)
+        return torch.addcmul(shift.view(shape), x, scale.view(shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        (weight,) = ctx.saved_tensors
+        mean, invstd, count = ctx.stats
+        saved = take(ctx, "x")
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x = saved.fresh() if isinstance(saved, Saved) else saved.clone()
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        gb = grad.sum(dims)
+        # sum(grad * x) per channel, in slices of the batch: a slice-sized temporary
+        gx_dot = sum((g * part).sum(dims) for g, part in zip(grad.chunk(8), x.chunk(8),
+                                                             strict=True))
+        gw = (gx_dot - mean * gb) * invstd  # sum(grad * x_hat)
+        # grad_x = k (grad - gb / M - x_hat gw / M), k = weight * invstd, as a*x + b + k*grad
+        k = invstd if weight is None else invstd * weight
+        a = -k * invstd * gw / count
+        b = -a * mean - k * gb / count
+        gx = None
+        if need_x:
+            gx = torch.addcmul(b.view(shape), x, a.view(shape), out=x)
+            gx.addcmul_(grad, k.view(shape))
+        del x
+        return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, \
+            None, None
+
+
 #: Convolutions whose input has fewer elements run PyTorch's own backward, and smaller
 #: derivatives are computed whole: the memory the ordered backward (or the chunks) save is
 #: small there, and their Python overhead (about 0.1 ms a call on the CPU) is not.
@@ -140,10 +203,12 @@ class PackedReLU(torch.autograd.Function):
     def backward(ctx, grad):
         check_double_backward()
         # PyTorch's own ReLU backward on the dequantized output (whose zeros are exact)
-        y = take(ctx, "y").get()
+        y = take(ctx, "y").fresh()
         if y.dtype == torch.bool:  # the allocator kept only the mask
             return grad * y, None, None, None
-        return torch.ops.aten.threshold_backward(grad, y, 0.0), None, None, None
+        # written over the dequantized copy, which nothing else reads
+        return (torch.ops.aten.threshold_backward.grad_input(grad, y, 0.0, grad_input=y),
+                None, None, None)
 
 
 class MaskedDropout(torch.autograd.Function):

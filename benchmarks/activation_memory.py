@@ -40,6 +40,7 @@ def measure(name: str, batch: int, level: str, real: bool) -> dict:
     with mode, torch.device("cpu"):
         torch.manual_seed(0)
         model = spec.factory()
+        actune.allow_inplace_norms(model)  # as the tuner does
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         x, y = zoo.make_batch(spec, batch)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from unittest import mock
@@ -24,6 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools import mem_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from actune.hooks import CompressionStats
 from actune.saved import simulated_offload
@@ -61,6 +63,9 @@ class _PeakTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self.where: dict[torch.device, str] = {}
+        # an out-of-place gradient sum waiting to be judged: (its operands, the peak candidate)
+        self._sum: tuple[list[StorageWeakRef], dict] | None = None
+        self._summing: tuple | None = None  # the operands of a gradient sum being run
         # module name -> (when it last began, forward or backward; its class's name)
         self._entered: dict[str, tuple[int, str]] = {}
         self._clock = 0
@@ -79,12 +84,51 @@ class _PeakTracker(MemTracker):
             self._clock += 1
             self._entered[name] = (self._clock, type(module).__name__)
 
+    # Autograd sums two gradients of one tensor in place when it holds the last reference to
+    # one of them, except under a TorchDispatchMode (this tracker is one), where it always adds
+    # out of place. Such a sum's output is counted as a peak only if neither operand is freed
+    # before the next operation, i.e. only where a plain run would have allocated it too.
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._judge_sum()
+        if (func is torch.ops.aten.add.Tensor and not kwargs and self._mod_tracker.is_bw
+                and not self._in_opt and _is_gradient_sum(args)):
+            self._summing = args[:2]
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._summing = None
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def __exit__(self, *args):
+        self._judge_sum()
+        return super().__exit__(*args)
+
+    def _judge_sum(self) -> None:
+        if self._sum is None:
+            return
+        operands, candidates = self._sum
+        self._sum = None
+        if not any(ref.expired() for ref in operands):
+            self._record(candidates)
+
     def _update_peak_stats(self, peak_state) -> None:
-        for dev, snap in self._curr_mem_snap.items():
+        self._judge_sum()
+        candidates = {dev: (dict(snap), self._place(peak_state))
+                      for dev, snap in self._curr_mem_snap.items()
+                      if self._peak_mem.get(dev, 0) < snap[mem_tracker._TOTAL_KEY]}
+        if self._summing is not None and candidates:
+            self._sum = ([StorageWeakRef(a.untyped_storage()) for a in self._summing],
+                         candidates)
+            return
+        self._record(candidates)
+
+    def _record(self, candidates: dict) -> None:
+        for dev, (snap, where) in candidates.items():
             if self._peak_mem.get(dev, 0) < snap[mem_tracker._TOTAL_KEY]:
                 self._peak_mem[dev] = snap[mem_tracker._TOTAL_KEY]
-                self._peak_mem_snap[dev] = dict(snap)
-                self.where[dev] = self._place(peak_state)
+                self._peak_mem_snap[dev] = snap
+                self.where[dev] = where
 
     def _place(self, peak_state) -> str:
         """The phase of the step and the innermost module running (its name in the model)."""
@@ -101,6 +145,29 @@ class _PeakTracker(MemTracker):
         _root, _, inside = innermost.partition(".")  # names start with the model's class
         kind = self._entered.get(innermost, (0, None))[1]
         return f"{phase}, {inside or innermost}" + (f" ({kind})" if inside and kind else "")
+
+
+_WRAPPERS = ("eval_frame.py", "_compile.py", "_python_dispatch.py", "mem_tracker.py",
+             "peak.py")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _is_gradient_sum(args) -> bool:
+    """Is this ``add`` autograd's own sum of two gradients of one tensor (two dense tensors
+    alike, issued by the engine itself, not by a backward written in Python)?"""
+    if len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args):
+        return False
+    a, b = args
+    if (a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+            or not (_dense(a) and _dense(b))):
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.endswith(_WRAPPERS):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "_engine_run_backward"
 
 
 # A training step: given the model, its optimizer, a batch size and a callback for the

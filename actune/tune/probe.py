@@ -49,6 +49,7 @@ class Trial:
 
         def build():
             model = wl.model(**sizes)
+            actune.allow_inplace_norms(model)
             return model, wl.optimizer(model.parameters())
 
         def step(model, opt, batch, sink):

@@ -170,6 +170,7 @@ def throughputs(workload: Workload, runs: list[tuple[Level, int]], sizes: dict, 
         torch.manual_seed(0)
         with torch.device(device):
             model = workload.model(**sizes)
+            actune.allow_inplace_norms(model)
             opt = workload.optimizer(model.parameters())
             inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
         states.append((level, model, opt, inputs, targets))
