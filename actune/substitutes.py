@@ -107,9 +107,9 @@ class LeanBatchNorm(torch.autograd.Function):
     and then writes the input gradient over the dequantized input, a fresh copy that nothing
     else reads. With ``overwrite`` (the input is a convolution's output that nothing else reads,
     see :func:`actune.inplace.allow_inplace_norms`) the forward packs its input and then
-    writes its result over it, so input and output are never alive together. ``saved`` packs
-    the input (the hooks' own packing: bits, sharing, offload) and says whether it was kept
-    as it is, in which case the input is never overwritten."""
+    writes its result over it, so input and output are never alive together. ``save`` packs
+    the input (the hooks' own packing: bits, sharing, offload) and returns what backward
+    reads; when that is the input itself (kept as it is), the input is not overwritten."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, overwrite,
@@ -144,10 +144,11 @@ class LeanBatchNorm(torch.autograd.Function):
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         gb = grad.sum(dims)
-        # sum(grad * x) per channel, in slices of the batch: a slice-sized temporary
-        gx_dot = sum((g * part).sum(dims) for g, part in zip(grad.chunk(8), x.chunk(8),
-                                                             strict=True))
-        gw = (gx_dot - mean * gb) * invstd  # sum(grad * x_hat)
+        # sum(grad * (x - mean)) per channel, in slices of the batch: a slice-sized temporary
+        centred = mean.view(shape)
+        dot = sum(torch.sub(part, centred).mul_(g).sum(dims)
+                  for g, part in zip(grad.chunk(8), x.chunk(8), strict=True))
+        gw = dot * invstd  # sum(grad * x_hat)
         # grad_x = k (grad - gb / M - x_hat gw / M), k = weight * invstd, as a*x + b + k*grad
         k = invstd if weight is None else invstd * weight
         a = -k * invstd * gw / count

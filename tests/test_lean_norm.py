@@ -52,6 +52,24 @@ def test_lean_batch_norm_gives_pytorchs_gradients(shape, affine, overwrite, monk
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_lean_batch_norm_keeps_float32_accuracy_far_from_zero(monkeypatch):
+    """Inputs whose mean is 10,000 standard deviations away: the channel sums are taken around
+    the mean, not recovered from sum(grad * x) by a cancelling subtraction."""
+    grads = []
+    for lean in (True, False):
+        monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0 if lean else 2**62)
+        gen = torch.Generator().manual_seed(0)
+        leaf = (torch.randn(8, 4, 16, 16, generator=gen) + 1e4).requires_grad_()
+        bn = nn.BatchNorm2d(4)
+        torch.manual_seed(1)
+        with actune.compressed(LEVEL.with_(other_bits=8)):
+            y = bn(leaf * 1)
+        y.backward(torch.randn(y.shape, generator=gen))
+        grads.append((leaf.grad, bn.weight.grad))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+
+
 def test_an_input_is_overwritten_once_and_never_outside_training(monkeypatch):
     monkeypatch.setattr(substitutes, "LEAN_NUMEL", 0)
     bn = nn.BatchNorm2d(3)
