@@ -29,15 +29,21 @@ _HANDLE_ATTR = "_actune_inplace_handle"
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
+def _from_torch(cls: type) -> bool:
+    return cls.__module__.startswith(("torch.nn", "torch.ao.nn"))
+
+
 class _Tracer(fx.Tracer):
     """torch.fx's tracer, which also keeps a compressed counterpart of a torch.nn layer (a
-    subclass made by :func:`actune.compress`) as one call."""
+    subclass made by :func:`actune.compress`) as one call. A user's own subclass of a layer
+    is traced through, as torch.fx does: its ``forward`` may keep what it returns."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, _CONTAINERS):
             return False
-        return any(cls.__module__.startswith(("torch.nn", "torch.ao.nn"))
-                   for cls in type(m).__mro__[:2])
+        cls = type(m)
+        counterpart = cls.__module__ == "actune.convert" and _from_torch(cls.__mro__[1])
+        return _from_torch(cls) or counterpart
 
 
 def _tag(_module: nn.Module, _args, output):

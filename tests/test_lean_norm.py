@@ -111,9 +111,24 @@ class _Untraceable(nn.Module):
         return self.bn(self.conv(x))
 
 
+class _KeepingConv(nn.Conv2d):
+    """A user's convolution that keeps its output: not a plain layer, traced through."""
+
+    def forward(self, x):
+        self.kept = super().forward(x)
+        return self.kept
+
+
 def test_the_graph_allows_only_norms_that_are_a_convolutions_only_reader():
     assert actune.allow_inplace_norms(_Shortcut()) == ["bn2"]
     assert actune.allow_inplace_norms(_Untraceable()) == []
+    assert actune.allow_inplace_norms(nn.Sequential(_KeepingConv(3, 3, 1),
+                                                    nn.BatchNorm2d(3))) == []
+    converted = actune.compress(nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)), LEVEL)
+    assert actune.allow_inplace_norms(converted) == ["1"]  # compressed layers are layers too
+    assert len(converted[0]._forward_hooks) == 1  # once, however often it is called
+    actune.decompress(converted)
+    assert not converted[0]._forward_hooks
     resnet = zoo.resnet(18, width=0.25)
     names = actune.allow_inplace_norms(resnet)
     assert "bn1" in names and "layer1.0.bn2" in names and "layer2.0.downsample.1" in names
