@@ -14,6 +14,7 @@ import math
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch._subclasses.fake_tensor import FakeTensor
 
 from actune.saved import Saved, check_double_backward, take
 
@@ -114,8 +115,7 @@ class LeanBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, overwrite,
                 save):
-        dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(x, dims, correction=0)
+        var, mean = _channel_moments(x)
         invstd = (var + eps).rsqrt()
         count = x.numel() // x.shape[1]
         if running_mean is not None:
@@ -130,7 +130,7 @@ class LeanBatchNorm(torch.autograd.Function):
         shift = -mean * scale if bias is None else bias - mean * scale
         if overwrite and ctx.x is not x:
             ctx.mark_dirty(x)
-            return torch.addcmul(shift.view(shape), x, scale.view(shape), out=x)
+            return x.mul_(scale.view(shape)).add_(shift.view(shape))
         return torch.addcmul(shift.view(shape), x, scale.view(shape))
 
     @staticmethod
@@ -141,25 +141,55 @@ class LeanBatchNorm(torch.autograd.Function):
         saved = take(ctx, "x")
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x = saved.fresh() if isinstance(saved, Saved) else saved.clone()
-        dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
-        gb = grad.sum(dims)
-        # sum(grad * (x - mean)) per channel, in slices of the batch: a slice-sized temporary
-        centred = mean.view(shape)
-        dot = sum(torch.sub(part, centred).mul_(g).sum(dims)
-                  for g, part in zip(grad.chunk(8), x.chunk(8), strict=True))
-        gw = dot * invstd  # sum(grad * x_hat)
+        gw, gb = _channel_sums(grad, x, mean, invstd, weight)  # sum(grad * x_hat), sum(grad)
         # grad_x = k (grad - gb / M - x_hat gw / M), k = weight * invstd, as a*x + b + k*grad
         k = invstd if weight is None else invstd * weight
         a = -k * invstd * gw / count
         b = -a * mean - k * gb / count
         gx = None
         if need_x:
-            gx = torch.addcmul(b.view(shape), x, a.view(shape), out=x)
-            gx.addcmul_(grad, k.view(shape))
+            gx = x.mul_(a.view(shape)).add_(b.view(shape)).addcmul_(grad, k.view(shape))
         del x
         return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, \
             None, None
+
+
+def _channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel (dimension 1) biased variance and mean: a first mean, then the sums and
+    squares of the deviations from it in eighths of the batch, which correct it (an
+    eighth-sized temporary; on the CPU over ten times faster than ``torch.var_mean`` across
+    the batch and spatial dimensions, as accurate)."""
+    dims = [0, *range(2, x.dim())]
+    count = x.numel() // x.shape[1]
+    first = x.sum(dims) / count
+    centre = first.view([1, -1] + [1] * (x.dim() - 2))
+    shift = squares = 0
+    for part in x.chunk(8):
+        deviation = torch.sub(part, centre)
+        shift = shift + deviation.sum(dims)
+        squares = squares + deviation.square_().sum(dims)
+    shift = shift / count
+    return squares / count - shift.square(), first + shift
+
+
+def _channel_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
+                  invstd: torch.Tensor, weight: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel ``sum(grad * x_hat)`` and ``sum(grad)`` without an activation-sized
+    temporary: PyTorch's batch norm backward asked for the parameter gradients alone (one
+    fused pass) on real tensors; on fake ones (estimates), whose version of that op returns
+    an input gradient anyway, the same sums in eighths of the batch (an eighth-sized
+    temporary, so the estimate errs by at most that, upwards)."""
+    if not isinstance(x, FakeTensor):
+        _, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            grad, x, weight, None, None, mean, invstd, True, 0.0, [False, True, True])
+        return gw, gb
+    dims = [0, *range(2, x.dim())]
+    centred = mean.view([1, -1] + [1] * (x.dim() - 2))
+    dot = sum(torch.sub(part, centred).mul_(g).sum(dims)
+              for g, part in zip(grad.chunk(8), x.chunk(8), strict=True))
+    return dot * invstd, grad.sum(dims)
 
 
 #: Convolutions whose input has fewer elements run PyTorch's own backward, and smaller

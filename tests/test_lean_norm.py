@@ -182,7 +182,8 @@ def test_overwriting_lowers_the_forward_peak_by_one_activation(monkeypatch):
     activation = 64 * 8 * 32 * 32 * 4
     plain, lean = peak(False), peak(True)
     assert plain.where.startswith("forward")
-    assert plain.total - lean.total == pytest.approx(activation, rel=0.02)
+    # one activation less, but for the statistics' eighth-of-the-batch temporary
+    assert plain.total - lean.total == pytest.approx(activation * 7 / 8, rel=0.02)
 
 
 def _tracked_peak(backward_sum_in_python: bool) -> tuple[float, str]:
