@@ -125,13 +125,12 @@ class LeanBatchNorm(torch.autograd.Function):
         ctx.x = save(x)
         ctx.stats = (mean, invstd, count)
         ctx.save_for_backward(weight)
-        shape = [1, -1] + [1] * (x.dim() - 2)
         scale = invstd if weight is None else invstd * weight
         shift = -mean * scale if bias is None else bias - mean * scale
         if overwrite and ctx.x is not x:
             ctx.mark_dirty(x)
-            return x.mul_(scale.view(shape)).add_(shift.view(shape))
-        return torch.addcmul(shift.view(shape), x, scale.view(shape))
+            return x.mul_(_per_channel(scale, x)).add_(_per_channel(shift, x))
+        return torch.addcmul(_per_channel(shift, x), x, _per_channel(scale, x))
 
     @staticmethod
     def backward(ctx, grad):
@@ -141,7 +140,6 @@ class LeanBatchNorm(torch.autograd.Function):
         saved = take(ctx, "x")
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x = saved.fresh() if isinstance(saved, Saved) else saved.clone()
-        shape = [1, -1] + [1] * (x.dim() - 2)
         gw, gb = _channel_sums(grad, x, mean, invstd, weight)  # sum(grad * x_hat), sum(grad)
         # grad_x = k (grad - gb / M - x_hat gw / M), k = weight * invstd, as a*x + b + k*grad
         k = invstd if weight is None else invstd * weight
@@ -149,10 +147,16 @@ class LeanBatchNorm(torch.autograd.Function):
         b = -a * mean - k * gb / count
         gx = None
         if need_x:
-            gx = x.mul_(a.view(shape)).add_(b.view(shape)).addcmul_(grad, k.view(shape))
+            gx = x.mul_(_per_channel(a, x)).add_(_per_channel(b, x)).addcmul_(
+                grad, _per_channel(k, x))
         del x
         return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, \
             None, None
+
+
+def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per-channel values ``v`` shaped to broadcast over ``x`` (channels in dimension 1)."""
+    return v.view([1, -1] + [1] * (x.dim() - 2))
 
 
 def _channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +167,7 @@ def _channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dims = [0, *range(2, x.dim())]
     count = x.numel() // x.shape[1]
     first = x.sum(dims) / count
-    centre = first.view([1, -1] + [1] * (x.dim() - 2))
+    centre = _per_channel(first, x)
     shift = squares = 0
     for part in x.chunk(8):
         deviation = torch.sub(part, centre)
@@ -186,7 +190,7 @@ def _channel_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
             grad, x, weight, None, None, mean, invstd, True, 0.0, [False, True, True])
         return gw, gb
     dims = [0, *range(2, x.dim())]
-    centred = mean.view([1, -1] + [1] * (x.dim() - 2))
+    centred = _per_channel(mean, x)
     dot = sum(torch.sub(part, centred).mul_(g).sum(dims)
               for g, part in zip(grad.chunk(8), x.chunk(8), strict=True))
     return dot * invstd, grad.sum(dims)
