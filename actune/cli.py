@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import time
 from pathlib import Path
@@ -30,9 +31,33 @@ BudgetOpt = Annotated[str | None, typer.Option(
 ModeOpt = Annotated[str | None, typer.Option(
     help="estimate (fake tensors, no arithmetic; the default without a GPU) or measure.",
     show_default=False)]
+
+
+def _output_file(example: str):
+    """A typer callback for an option naming a file to write: rejected before any work starts
+    if it is a folder, or if its folder cannot be made or written in."""
+
+    def check(path: Path | None) -> Path | None:
+        if path is None:
+            return None
+        if path.is_dir():
+            raise typer.BadParameter(f"{path} is a folder; give a file in it, such as "
+                                     f"{path / example}")
+        existing = next(p for p in (path.parent.absolute(), *path.parent.absolute().parents)
+                        if p.exists())
+        if not existing.is_dir():
+            raise typer.BadParameter(f"{existing} is a file, so {path} cannot be made")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise typer.BadParameter(f"cannot write in {existing} (permission denied)")
+        return path
+
+    return check
+
+
 JsonOpt = Annotated[Path | None, typer.Option(
     "--json", help="Also write the result as JSON (schema actune.result/1) to this path, "
-    "atomically, after every finished level.", show_default=False)]
+    "atomically, after every finished level.", show_default=False,
+    callback=_output_file("result.json"))]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no table "
                                      "(use with --json).")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
@@ -133,7 +158,11 @@ def _callbacks(progress, levels, json_path: Path | None, latest: _Latest):
         if progress:
             progress.advance(task)
         if json_path is not None:
-            write_json(report, json_path)
+            try:
+                write_json(report, json_path)
+            except OSError as err:
+                raise _UsageError(f"cannot write --json {json_path}: {err.strerror or err}") \
+                    from None
 
     return on_probe, on_level
 
@@ -237,7 +266,8 @@ def bench(
     mode: ModeOpt = None,
     plot: Annotated[Path | None, typer.Option(help="Draw samples/s against batch size per "
                                               "level to this PNG (needs matplotlib).",
-                                              show_default=False)] = None,
+                                              show_default=False,
+                                              callback=_output_file("throughput.png"))] = None,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,

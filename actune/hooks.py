@@ -96,9 +96,10 @@ class CompressionStats:
 
 
 def _is_parameter_like(t: torch.Tensor) -> bool:
-    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-        return True
-    if isinstance(t._base, torch.nn.Parameter):  # linear layers save the transposed weight
+    if t.is_leaf:  # (a parameter is a leaf: most saved tensors skip the slow isinstance)
+        return t.requires_grad or isinstance(t, torch.nn.Parameter)
+    base = t._base
+    if base is not None and isinstance(base, torch.nn.Parameter):  # a transposed weight
         return True
     fn = t.grad_fn  # an autocast copy of a parameter: ToCopyBackward0 -> AccumulateGrad
     if fn is not None and fn.name() == "ToCopyBackward0":
@@ -108,8 +109,9 @@ def _is_parameter_like(t: torch.Tensor) -> bool:
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
-    return (StorageWeakRef(t.untyped_storage()).cdata, t.storage_offset(), tuple(t.shape),
-            t.stride(), t.dtype, t._version)
+    # the storage's address (what StorageWeakRef(...).cdata holds), without a weak reference
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(),
+            t.dtype, t._version)
 
 
 class _Session:

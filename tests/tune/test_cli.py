@@ -15,6 +15,11 @@ def run(*args):
     return runner.invoke(app, list(args))
 
 
+def flat(text: str) -> str:
+    """``text`` without whitespace or the box rich draws around errors (which wraps lines)."""
+    return "".join(c for c in text if not c.isspace() and c not in "│╭╮╰╯─")
+
+
 def test_info_says_plainly_when_there_is_no_gpu():
     result = run("info")
     assert result.exit_code == 0, result.output
@@ -91,6 +96,40 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(args, message):
     result = run(*args)
     assert result.exit_code == 2
     assert message in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch,
+                                                                         option):
+    from actune.tune import run as tune_run
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the job ran")
+
+    monkeypatch.setattr(tune_run, "bench", no_work)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("kept")
+    for path, message in ((tmp_path, "is a folder; give a file in it"),
+                          (a_file / "out.json", "is a file, so")):
+        result = run("bench", "--model", "tinycnn", "--levels", "L0", option, str(path))
+        assert result.exit_code == 2, result.output
+        assert flat(message) in flat(result.output) and "Traceback" not in result.output
+    assert a_file.read_text() == "kept"
+
+
+def test_a_json_write_that_fails_midway_is_an_error_not_a_traceback(tmp_path, monkeypatch):
+    from actune import report
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "write_json", full_disk)
+    result = run("maxbatch", "--model", "tinycnn", "--levels", "L0", "--budget", "64MiB",
+                 "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 2
+    assert flat("cannot write --json") in flat(result.output)
+    assert flat("No space left on device") in flat(result.output)
     assert "Traceback" not in result.output
 
 
