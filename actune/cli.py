@@ -64,8 +64,8 @@ Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 PerSample = Annotated[bool, typer.Option("--per-sample/--per-tensor", help="Mixed-precision "
                                          "levels (L3-L5, 2b...) choose bits per sample too, or "
                                          "only per tensor.")]
-Resolution = Annotated[int | None, typer.Option(help="Input resolution (images) or sequence "
-                                                "length (tokens).", show_default=False)]
+Resolution = Annotated[int | None, typer.Option(min=1, help="Input resolution (images) or "
+                                                "sequence length (tokens).", show_default=False)]
 
 
 class _UsageError(Exception):

@@ -91,6 +91,7 @@ def test_bench_runs_real_steps_and_relates_to_l0(tmp_path):
     (("maxbatch", "--budget", "lots"), "is not a size"),
     (("maxbatch", "--model", "vgg"), "no built-in model"),
     (("maxbatch", "--mode", "guess"), "--mode must be estimate or measure"),
+    (("maxbatch", "--model", "tinycnn", "--resolution", "0"), "Invalid value for '--resolution'"),
 ])
 def test_bad_input_exits_2_with_a_message_and_no_traceback(args, message):
     result = run(*args)
