@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,18 +85,31 @@ class Report:
 
 
 def write_json(report: Report | dict, path: str | Path) -> None:
-    """Write a report (or any JSON-able dict) atomically: a temporary file in the same folder,
-    then a rename."""
+    """Write a report (or any JSON-able dict) to ``path``. A regular file is replaced
+    atomically (a temporary file in the same folder, then a rename; the file keeps its
+    permissions, a new one gets the usual ones; a symbolic link stays and its target is
+    replaced); a device or pipe (``/dev/null``, ``/dev/stdout``) is written in place, never
+    replaced."""
+    text = json.dumps(report.to_json() if isinstance(report, Report) else report, indent=2)
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        with open(path, "w") as f:
+            f.write(text + "\n")
+        return
+    if path.is_symlink():  # write through the link: the link stays
+        path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    # a new name in the same folder, created with the usual permissions (0o666 less the umask)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(report.to_json() if isinstance(report, Report) else report, f, indent=2)
-            f.write("\n")
+            f.write(text + "\n")
+        if path.exists():  # replaced: keep the file's own permissions
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -106,6 +119,11 @@ def _fmt_value(dim: str, value: float | None) -> str:
     if dim in ("depth", "width"):
         return f"{value:.3g}x"
     return f"{int(value):,}"
+
+
+#: Printed under estimated results: what an estimate leaves out (docs/tuning.md).
+ESTIMATE_CAVEAT = ("estimate: tensors only; workspaces operators allocate inside (cuDNN, "
+                   "oneDNN) come on top: confirm a GPU answer with --mode measure")
 
 
 def render(report: Report, console: Console) -> None:
@@ -139,8 +157,13 @@ def render(report: Report, console: Console) -> None:
         note = r.note + ("" if r.complete else " interrupted")
         note += " capped by --max" if r.capped else ""
         table.add_row(r.level, *row, note.strip())
+    lines = []
     places = [f"{r.level} {r.peak_at}" for r in report.levels if r.peak_at]
     if places:
-        table.caption = "peak at: " + "; ".join(places)
+        lines.append("peak at: " + "; ".join(places))
+    if report.mode == "estimate":
+        lines.append(ESTIMATE_CAVEAT)
+    if lines:
+        table.caption = "\n".join(lines)
         table.caption_justify = "left"
     console.print(table)

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from actune import zoo
 from actune.cli import app
+from actune.report import ESTIMATE_CAVEAT
 
 runner = CliRunner()
 
@@ -52,11 +53,12 @@ def test_maxbatch_writes_versioned_json_and_compression_gains(tmp_path):
         assert phase in ("forward", "backward") and module in modules, level["peak_at"]
         assert kind == f"({type(modules[module]).__name__})", level["peak_at"]
     assert "peak at: L0 " in " ".join(result.output.split())
+    assert flat(ESTIMATE_CAVEAT) in flat(result.output)  # what an estimate leaves out
 
 
-def test_max_caps_the_search():
+def test_max_caps_the_search(tmp_path):
     result = run("maxbatch", "--model", "tinycnn", "--levels", "L3", "--budget", "1GiB",
-                 "--max", "64", "--quiet", "--json", "/dev/null")
+                 "--max", "64", "--quiet", "--json", str(tmp_path / "capped.json"))
     assert result.exit_code == 0, result.output
     assert result.output.strip() == ""
 

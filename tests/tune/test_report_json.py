@@ -1,0 +1,47 @@
+"""Writing results: atomic for files, in place for devices and pipes, nothing else touched."""
+
+import json
+import os
+import stat
+import threading
+
+from actune.report import write_json
+
+
+def test_a_new_file_gets_the_usual_permissions_and_a_replaced_one_keeps_its_own(tmp_path):
+    mask = os.umask(0o022)
+    try:
+        new = tmp_path / "sub" / "new.json"
+        write_json({"a": 1}, new)
+        assert json.loads(new.read_text()) == {"a": 1}
+        assert stat.S_IMODE(new.stat().st_mode) == 0o644  # not a temporary file's 0o600
+        new.chmod(0o640)
+        write_json({"a": 2}, new)
+        assert json.loads(new.read_text()) == {"a": 2}
+        assert stat.S_IMODE(new.stat().st_mode) == 0o640
+    finally:
+        os.umask(mask)
+    assert sorted(p.name for p in new.parent.iterdir()) == ["new.json"]  # no temporary left
+
+
+def test_a_symbolic_link_stays_and_its_target_is_written(tmp_path):
+    target = tmp_path / "results" / "run.json"
+    target.parent.mkdir()
+    target.write_text("{}")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    write_json({"b": 3}, link)
+    assert link.is_symlink() and json.loads(target.read_text()) == {"b": 3}
+
+
+def test_a_pipe_is_written_in_place_not_replaced(tmp_path):
+    # as /dev/null or /dev/stdout would be: a rename over it would replace the device itself
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    write_json({"c": 4}, fifo)
+    reader.join(timeout=10)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert json.loads(got[0]) == {"c": 4}
