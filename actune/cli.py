@@ -19,6 +19,22 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 console = Console()
 err_console = Console(stderr=True)
 
+
+def _version(show: bool) -> None:
+    if show:
+        from actune import __version__
+
+        console.print(f"actune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")]
+        = False) -> None:
+    """Compress saved activations to 2 bits and tune what fits in memory."""
+
+
 ModelFile = Annotated[Path | None, typer.Argument(
     help="A model file (build_model, make_batch; see docs/tuning.md). Default: --model.",
     show_default=False)]
@@ -534,6 +550,7 @@ def info(debug: Debug = False) -> None:
     import numba
     import torch
 
+    from actune import __version__
     from actune.levels import LEVELS
     from actune.memory import parse_budget, probe
     from actune.report import human_bytes
@@ -556,6 +573,7 @@ def info(debug: Debug = False) -> None:
         table.add_row("CUDA kernels", "numba-cuda, on torch's current stream"
                       if torch.cuda.is_available() else "not in use (torch sees no CUDA "
                       "device; CPU kernels run instead)")
+        table.add_row("actune", __version__)
         table.add_row("torch", f"{torch.__version__}")
         table.add_row("python", platform.python_version())
         table.add_row("levels", "; ".join(f"{lv.name}: {lv.description}"
@@ -595,11 +613,6 @@ def kernels(
         table.add_row(str(bits), f"{p.bits_per_element:.3f}", f"{x.nbytes / p.nbytes:.1f}x",
                       f"{rms:.3f}", f"{numel / pack_s / 1e9:.2f}", f"{numel / unpack_s / 1e9:.2f}")
     console.print(table)
-
-
-@app.callback()
-def _root() -> None:
-    """actune: activation-compressed training for PyTorch."""
 
 
 def main() -> None:

@@ -21,6 +21,17 @@ def flat(text: str) -> str:
     return "".join(c for c in text if not c.isspace() and c not in "│╭╮╰╯─")
 
 
+def test_version_is_one_number_everywhere():
+    from importlib.metadata import version
+
+    import actune
+
+    result = run("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"actune {actune.__version__}"
+    assert version("actune") == actune.__version__  # the package metadata reads the same
+    assert actune.__version__ in run("info").output
+
+
 def test_info_says_plainly_when_there_is_no_gpu():
     result = run("info")
     assert result.exit_code == 0, result.output
