@@ -124,6 +124,9 @@ def _fmt_value(dim: str, value: float | None) -> str:
 #: Printed under estimated results: what an estimate leaves out (docs/tuning.md).
 ESTIMATE_CAVEAT = ("estimate: tensors only; workspaces operators allocate inside (cuDNN, "
                    "oneDNN) come on top: confirm a GPU answer with --mode measure")
+#: Printed under results measured on the CPU, where the tracker sees tensors only.
+CPU_MEASURE_CAVEAT = ("measured on the CPU: tensors only; oneDNN's internal copies come on "
+                      "top (docs/tuning.md)")
 
 
 def render(report: Report, console: Console) -> None:
@@ -161,8 +164,8 @@ def render(report: Report, console: Console) -> None:
     places = [f"{r.level} {r.peak_at}" for r in report.levels if r.peak_at]
     if places:
         lines.append("peak at: " + "; ".join(places))
-    if report.mode == "estimate":
-        lines.append(ESTIMATE_CAVEAT)
+    if report.mode == "estimate" or report.device.startswith("CPU"):  # tensors only
+        lines.append(ESTIMATE_CAVEAT if report.mode == "estimate" else CPU_MEASURE_CAVEAT)
     if lines:
         table.caption = "\n".join(lines)
         table.caption_justify = "left"

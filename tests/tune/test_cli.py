@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from actune import zoo
 from actune.cli import app
-from actune.report import ESTIMATE_CAVEAT
+from actune.report import CPU_MEASURE_CAVEAT, ESTIMATE_CAVEAT
 
 runner = CliRunner()
 
@@ -65,6 +65,14 @@ def test_maxbatch_writes_versioned_json_and_compression_gains(tmp_path):
         assert kind == f"({type(modules[module]).__name__})", level["peak_at"]
     assert "peak at: L0 " in " ".join(result.output.split())
     assert flat(ESTIMATE_CAVEAT) in flat(result.output)  # what an estimate leaves out
+
+
+def test_measured_on_the_cpu_says_it_counts_tensors_only():
+    result = run("maxbatch", "--model", "tinycnn", "--levels", "L0", "--budget", "32MiB",
+                 "--mode", "measure")
+    assert result.exit_code == 0, result.output
+    assert flat(CPU_MEASURE_CAVEAT) in flat(result.output)
+    assert flat(ESTIMATE_CAVEAT) not in flat(result.output)
 
 
 def test_max_caps_the_search(tmp_path):
