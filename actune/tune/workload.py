@@ -5,7 +5,7 @@ A model file is a plain Python file (see docs/tuning.md and docs/examples/model.
     def build_model(depth=1.0, width=1.0, resolution=32):   # required; scalable keywords
         ...                                                  # are the ones it accepts
     def make_batch(batch_size, resolution=32):               # required
-        return inputs, targets
+        return inputs, targets     # inputs: a tensor, or a tuple of forward's arguments
     def loss_fn(outputs, targets): ...                       # optional: cross entropy
     def make_optimizer(parameters): ...                      # optional: SGD, momentum 0.9
     def make_dataset(resolution=32):                         # optional: for `actune train`
@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from actune import data, zoo
 from actune.data import Dataset
 from actune.train import default_optimizer
+from actune.tune.oom import is_oom
 
 __all__ = ["DIMENSIONS", "Workload", "WorkloadError", "builtin", "from_source", "load"]
 
@@ -78,20 +79,25 @@ class Workload:
 
     def model(self, **sizes) -> nn.Module:
         """The model at ``sizes`` (scalable keywords only)."""
-        return self.factory(**{k: v for k, v in sizes.items() if k in self.dims})
+        kwargs = {k: v for k, v in sizes.items() if k in self.dims}
+        return self._call("build_model()", self.factory, **kwargs)
 
     def make_batch(self, batch: int, resolution=None) -> tuple:
         """A batch of ``batch`` samples, its tensors on the current default device (the one a
         ``with torch.device(...)`` block selects), wherever the model file made them."""
         if resolution is not None and "resolution" in self._batch_params():
-            made = self.batch(batch, resolution=resolution)
+            made = self._call(f"make_batch({batch})", self.batch, batch, resolution=resolution)
         else:
-            made = self.batch(batch)
+            made = self._call(f"make_batch({batch})", self.batch, batch)
         if not isinstance(made, (tuple, list)):
             return made  # the caller's check names what is wrong
-        device = torch.get_default_device()
-        return tuple(t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t
-                     for t in made)
+        return tuple(_to_device(t, torch.get_default_device()) for t in made)
+
+    @staticmethod
+    def forward(model: nn.Module, inputs):
+        """``model(*inputs)`` for a tuple of inputs (a model of several arguments), else
+        ``model(inputs)`` (a tensor, or a list or dict the model takes as one argument)."""
+        return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 
     def _batch_params(self) -> set[str]:
         return set(inspect.signature(self.batch).parameters)
@@ -121,7 +127,7 @@ class Workload:
                 raise WorkloadError(f"{self.name}: make_batch() must return a pair "
                                     f"(inputs, targets), got {type(made).__name__}.")
             inputs, targets = made
-            out = self._call("the model's forward pass", model, inputs)
+            out = self._call("the model's forward pass", self.forward, model, inputs)
             if not isinstance(out, torch.Tensor):
                 raise WorkloadError(
                     f"{self.name}: the model returned {type(out).__name__}, not a tensor. "
@@ -135,14 +141,33 @@ class Workload:
                                     f"{_describe(loss)}.")
             self._call("make_optimizer(parameters)", self.optimizer, model.parameters())
 
-    def _call(self, what: str, fn, *args):
+    def _call(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``; an error becomes a WorkloadError naming ``what`` raised it,
+        except running out of memory (which a search reads as "does not fit")."""
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except WorkloadError:
             raise
         except Exception as err:
+            if is_oom(err):
+                raise
+            hint = ""
+            if "cuda" in str(err).lower() and not torch.cuda.is_available():
+                hint = (" There is no CUDA device here: create the tensors without device=... "
+                        "(actune puts the batch on the device the step runs on).")
             raise WorkloadError(f"{self.name}: {what} raised {type(err).__name__}: "
-                                f"{_first_line(err)}") from err
+                                f"{_first_line(err)}{hint}") from err
+
+
+def _to_device(value, device: torch.device):
+    """``value`` with its tensors (inside tuples, lists and dicts too) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, tuple | list):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
 
 
 def _describe(value) -> str:

@@ -79,3 +79,71 @@ def test_batches_land_on_the_device_the_step_runs_on(tmp_path, source):
     assert inputs.shape[0] == 4 and targets.shape == (4,)
     inputs, targets = wl.make_batch(4, 8)
     assert inputs.device.type == "cpu" and targets.device.type == "cpu"
+
+
+def test_a_tuple_of_inputs_is_the_forward_arguments_and_a_dict_is_one(tmp_path):
+    import torch
+
+    several = write(tmp_path, """
+        import torch
+        from torch import nn
+
+        class TwoInputs(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 4)
+
+            def forward(self, tokens, mask):
+                return self.head((torch.relu(self.embed(tokens)) * mask[..., None]).mean(1))
+
+        def build_model():
+            return TwoInputs()
+
+        def make_batch(batch_size):
+            tokens = torch.randint(0, 50, (batch_size, 12))
+            return (tokens, torch.ones(batch_size, 12)), torch.randint(0, 4, (batch_size,))
+        """, "several.py")
+    wl = load(several)
+    wl.check()
+    with torch.device("meta"):  # nested tensors land on the step's device too
+        (tokens, mask), targets = wl.make_batch(3)
+    assert tokens.device.type == mask.device.type == targets.device.type == "meta"
+    out = wl.forward(wl.model(), wl.make_batch(3)[0])
+    assert out.shape == (3, 4)
+    one = write(tmp_path, """
+        import torch
+        from torch import nn
+
+        class DictInput(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.head = nn.Linear(8, 4)
+
+            def forward(self, batch):
+                return self.head(batch["x"])
+
+        def build_model():
+            return DictInput()
+
+        def make_batch(batch_size):
+            return {"x": torch.randn(batch_size, 8)}, torch.randint(0, 4, (batch_size,))
+        """, "one.py")
+    load(one).check()
+
+
+def test_errors_after_the_dry_run_name_the_function_and_out_of_memory_passes_through(tmp_path):
+    import torch
+
+    wl = load(write(tmp_path, GOOD.replace(
+        "def make_batch(batch_size, resolution=8):\n",
+        "def make_batch(batch_size, resolution=8):\n    if batch_size > 4:\n"
+        "        raise ValueError('at most 4 samples')\n")))
+    wl.check()  # the dry run uses 2 samples
+    with pytest.raises(WorkloadError, match=r"make_batch\(8\) raised ValueError: at most 4"):
+        wl.make_batch(8)
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError):  # a search reads it as "does not fit"
+        wl._call("build_model()", out_of_memory)
