@@ -117,7 +117,7 @@ def _fmt_value(dim: str, value: float | None) -> str:
     if value is None:
         return "does not fit"
     if dim in ("depth", "width"):
-        return f"{value:.3g}x"
+        return f"{value:g}x"  # multiples of 1/8 in full: 4.125x, 24.375x
     return f"{int(value):,}"
 
 

@@ -91,6 +91,8 @@ def test_scale_depth_and_the_error_for_a_missing_dimension(tmp_path):
     assert levels[1]["value"] >= levels[0]["value"] > 0
     assert {p["size"] for p in levels[0]["probes"]} != {8}  # widths tried, not the batch
     assert max(p["size"] for p in levels[0]["probes"] if p["fits"]) == levels[0]["value"]
+    for level in levels:  # printed in full (a multiple of 1/8: 2.125x, not 2.12x)
+        assert f"{level['value']:g}x" in result.output
     bad = run("scale", "--model", "tinycnn", "--dim", "depth")
     assert bad.exit_code == 2
     assert "cannot be scaled in depth" in bad.output and "Traceback" not in bad.output
