@@ -121,6 +121,10 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
     start = max(1, round(default / unit))
     step = multiple_of or (8 if dim == "resolution" else 1)
     cap = round(maximum / unit) if maximum else None
+    if cap is not None and cap < step:
+        smallest = f"{step * unit:g}x" if dim != "resolution" else f"{step} pixels"
+        raise ValueError(f"--max {maximum:g} is below the smallest {dim} step ({smallest}); "
+                         f"give a larger --max")
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, dim, {"batch": batch})
     for level in levels:

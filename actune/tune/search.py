@@ -60,9 +60,9 @@ def largest_fitting(trial: Callable[[int], Probe], *, start: int = 1, step: int 
     hi = None  # smallest size known not to fit
     n = max(step, _round_down(start, step) or step)
     if maximum is not None:
-        maximum = _round_down(maximum, step)
         if maximum < step:
-            raise ValueError(f"--max {maximum} is below the step {step}")
+            raise ValueError(f"--max {maximum} is below the step {step}; give a larger --max")
+        maximum = _round_down(maximum, step)
         n = min(n, maximum)
 
     try:

@@ -115,6 +115,10 @@ def test_bench_runs_real_steps_and_relates_to_l0(tmp_path):
     (("maxbatch", "--model", "vgg"), "no built-in model"),
     (("maxbatch", "--mode", "guess"), "--mode must be estimate or measure"),
     (("maxbatch", "--model", "tinycnn", "--resolution", "0"), "Invalid value for '--resolution'"),
+    (("maxbatch", "--model", "tinycnn", "--multiple-of", "8", "--max", "5"),
+     "--max 5 is below the step 8"),  # the value given, not its rounding (0)
+    (("scale", "--dim", "width", "--model", "tinycnn", "--max", "0.05"),
+     "--max 0.05 is below the smallest width step (0.125x)"),
 ])
 def test_bad_input_exits_2_with_a_message_and_no_traceback(args, message):
     result = run(*args)
