@@ -17,6 +17,7 @@ GPU = DeviceInfo(True, "Test GPU", total=80 * 2**30, free=70 * 2**30, used=10 * 
 @pytest.mark.parametrize(("text", "expected"), [
     ("16GiB", 16 * 2**30), ("16 gib", 16 * 2**30), ("1500MB", 1500 * 10**6),
     ("512MiB", 512 * 2**20), ("1.5G", int(1.5 * 2**30)), ("1000", 1000),
+    ("16Gi", 16 * 2**30), ("512Mi", 512 * 2**20),  # as Kubernetes writes them
 ])
 def test_sizes_parse(text, expected):
     assert parse_budget(text, NO_GPU).bytes == expected
