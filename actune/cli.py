@@ -88,6 +88,10 @@ class _UsageError(Exception):
     """An error already phrased for the user."""
 
 
+class _NothingKept(KeyboardInterrupt):
+    """Ctrl-C before a tuning job finished any level."""
+
+
 @contextlib.contextmanager
 def _errors(debug: bool):
     """Known errors: one paragraph, exit 2 (no traceback unless --debug); Ctrl-C: exit 130."""
@@ -96,8 +100,10 @@ def _errors(debug: bool):
 
     try:
         yield
-    except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted[/]: results of finished levels were kept")
+    except KeyboardInterrupt as err:
+        kept = ("no level had finished: nothing was kept" if isinstance(err, _NothingKept)
+                else "results of finished levels were kept")
+        err_console.print(f"[yellow]interrupted[/]: {kept}")
         raise typer.Exit(130) from None
     except (WorkloadError, ProbeError, ValueError, _UsageError) as err:
         if debug:
@@ -201,6 +207,8 @@ def _run_job(job, level_list, quiet: bool, json_path: Path | None, **kwargs):
             on_probe, on_level = _callbacks(progress, level_list, json_path, latest)
             report = job(levels=level_list, on_probe=on_probe, on_level=on_level, **kwargs)
     except KeyboardInterrupt:
+        if latest.report is None or not latest.report.levels:
+            raise _NothingKept from None
         _finish(latest.report, quiet, json_path)
         raise
     _finish(report, quiet, json_path)

@@ -190,6 +190,21 @@ def test_json_of_finished_levels_survives_an_interrupt(tmp_path, monkeypatch):
     assert not l3["complete"] and l3["value"] is None  # marked, not passed off as a result
 
 
+def test_an_interrupt_before_any_level_finished_says_nothing_was_kept(tmp_path, monkeypatch):
+    from actune.tune import run as tune_run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune_run, "throughputs", interrupted)  # bench times levels together
+    out = tmp_path / "bench.json"
+    result = run("bench", "--model", "tinycnn", "--levels", "L0,L3", "--batch", "8",
+                 "--json", str(out))
+    assert result.exit_code == 130
+    assert "nothing was kept" in result.output and "were kept" not in result.output
+    assert not out.exists()
+
+
 def test_summary_lists_what_compress_converts():
     result = run("summary", "--model", "tinycnn")
     assert result.exit_code == 0, result.output
