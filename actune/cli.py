@@ -158,6 +158,16 @@ def _progress(quiet: bool):
                     console=console, transient=True)
 
 
+def _write_json(data, path: Path) -> None:
+    """Write ``--json``; a write that fails (a full disk) is the user's error to fix, exit 2."""
+    from actune.report import write_json
+
+    try:
+        write_json(data, path)
+    except OSError as err:
+        raise _UsageError(f"cannot write --json {path}: {err.strerror or err}") from None
+
+
 class _Latest:
     """The report as of the last finished level (printed if the search is interrupted)."""
 
@@ -165,7 +175,7 @@ class _Latest:
 
 
 def _callbacks(progress, levels, json_path: Path | None, latest: _Latest):
-    from actune.report import human_bytes, write_json
+    from actune.report import human_bytes
 
     task = progress.add_task("starting", total=len(levels)) if progress else None
 
@@ -180,11 +190,7 @@ def _callbacks(progress, levels, json_path: Path | None, latest: _Latest):
         if progress:
             progress.advance(task)
         if json_path is not None:
-            try:
-                write_json(report, json_path)
-            except OSError as err:
-                raise _UsageError(f"cannot write --json {json_path}: {err.strerror or err}") \
-                    from None
+            _write_json(report, json_path)
 
     return on_probe, on_level
 
@@ -348,7 +354,6 @@ def train(
     import torch
 
     from actune.levels import parse_levels
-    from actune.report import write_json
     from actune.train import train as run_train
 
     with _errors(debug):
@@ -377,10 +382,10 @@ def train(
                                        name, ap)):
                     results[lv.name].append(r)
                     if json_path is not None:
-                        write_json(_train_json(work.name, seed, results, allocators),
-                                   json_path)
+                        _write_json(_train_json(work.name, seed, results, allocators),
+                                    json_path)
         if json_path is not None:
-            write_json(_train_json(work.name, seed, results, allocators), json_path)
+            _write_json(_train_json(work.name, seed, results, allocators), json_path)
         if quiet:
             return
         _render_training(work.name, len(data.x_train), len(data.x_test), seed, results)
@@ -478,7 +483,6 @@ def numerics(
 
     from actune.levels import parse_levels
     from actune.numerics import measure
-    from actune.report import write_json
 
     with _errors(debug):
         work = _workload(model_file, model)
@@ -518,8 +522,8 @@ def numerics(
         console.print("bias floor: the bias that the finite number of seeds alone explains "
                       "(an unbiased level stays near it)")
         if json_path is not None:
-            write_json({"schema": "actune.numerics/1", "model": work.name, "seed": seed,
-                        "levels": [r.as_dict() for r in results]}, json_path)
+            _write_json({"schema": "actune.numerics/1", "model": work.name, "seed": seed,
+                         "levels": [r.as_dict() for r in results]}, json_path)
             console.print(f"JSON written to {json_path}")
 
 

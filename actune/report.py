@@ -164,8 +164,10 @@ def render(report: Report, console: Console) -> None:
     places = [f"{r.level} {r.peak_at}" for r in report.levels if r.peak_at]
     if places:
         lines.append("peak at: " + "; ".join(places))
-    if report.mode == "estimate" or report.device.startswith("CPU"):  # tensors only
-        lines.append(ESTIMATE_CAVEAT if report.mode == "estimate" else CPU_MEASURE_CAVEAT)
+    if report.mode == "estimate":  # what the figures leave out
+        lines.append(ESTIMATE_CAVEAT)
+    elif report.device.startswith("CPU"):
+        lines.append(CPU_MEASURE_CAVEAT)
     if lines:
         table.caption = "\n".join(lines)
         table.caption_justify = "left"
