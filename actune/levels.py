@@ -27,7 +27,10 @@ class Level:
     instead of full tensors. ``offload``: packed activations go to pinned host memory during
     forward and come back in backward (CUDA only). ``defrag``: release cached allocator blocks
     between forward and backward and use expandable segments (CUDA only). ``min_numel``:
-    smaller tensors are kept as they are (packing them gains nothing). ``avg_bits``: mixed
+    smaller tensors are kept as they are (packing them gains nothing). ``nonlinear_bits``: bits
+    for the saved tensors a backward reads through a nonlinearity, where rounding leaves a small
+    bias (attention's q and k, which enter the recomputed softmax; the inputs a checkpointed
+    region is recomputed from); ``None`` keeps them exact. ``avg_bits``: mixed
     precision: an allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed
     tensor, and each sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the
     gradient is sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).
@@ -41,11 +44,12 @@ class Level:
     offload: bool = False
     defrag: bool = False
     min_numel: int = 1024
+    nonlinear_bits: int | None = None
     avg_bits: float | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("matmul_bits", "other_bits"):
+        for field in ("matmul_bits", "other_bits", "nonlinear_bits"):
             bits = getattr(self, field)
             if bits is not None:
                 try:
@@ -84,9 +88,9 @@ L0 = Level("L0", description="exact PyTorch, nothing compressed")
 L1 = Level("L1", matmul_bits=4, masks=True,
            description="4-bit inputs of convolutions and linear layers, exact 1-bit masks; "
                        "the rest exact")
-L2 = Level("L2", matmul_bits=4, other_bits=4, masks=True,
+L2 = Level("L2", matmul_bits=4, other_bits=4, masks=True, nonlinear_bits=8,
            description="4 bits for every compressed activation, 1-bit masks")
-L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True, avg_bits=2.0,
+L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True, nonlinear_bits=8, avg_bits=2.0,
            description="2 bits on average, per layer and per sample where the gradient is "
                        "sensitive (mixed precision), 1-bit masks (the default)")
 L4 = L3.with_(name="L4", offload=True,

@@ -19,7 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from actune.saved import Saved, check_double_backward, take
 
 __all__ = ["LEAN_NUMEL", "LeanBatchNorm", "MaskedDropout", "MaskedLinear", "OffsetMaxPool",
-           "OrderedConv", "PackedReLU", "SavedDerivative", "TwoCopySoftmax", "arg", "as_tuple",
+           "OrderedConv", "PackedLogSoftmax", "PackedReLU", "SavedDerivative", "TwoCopySoftmax",
+           "arg", "as_tuple",
            "conv_args", "gelu_derivative", "in_chunks", "indices_from_offsets", "inside",
            "positive_after", "positive_before", "silu_derivative", "window_offsets"]
 
@@ -323,6 +324,27 @@ class TwoCopySoftmax(torch.autograd.Function):
         inner = (grad * y2).sum(ctx.dim, keepdim=True)
         del y2
         out = y1.get() * (grad - inner)
+        return out.to(ctx.in_dtype), None, None, None, None
+
+
+class PackedLogSoftmax(torch.autograd.Function):
+    """Log-softmax saving its probabilities ``p = exp(y)`` rounded: the backward
+    ``g - p * sum(g)`` is linear in ``p``, so it stays unbiased."""
+
+    @staticmethod
+    def forward(ctx, x, dim, dtype, bits, session):
+        y = torch.log_softmax(x, dim, dtype=dtype)
+        p = y.exp()
+        ctx.p = session.pack_value(p, bits, "softmax", replaces=(y,))
+        del p
+        ctx.dim, ctx.in_dtype = dim, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        p = take(ctx, "p").fresh()
+        out = grad - p.mul_(grad.sum(ctx.dim, keepdim=True))
         return out.to(ctx.in_dtype), None, None, None, None
 
 

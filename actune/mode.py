@@ -1,0 +1,214 @@
+"""The function mode of :func:`actune.compressed`: it sees each functional call and routes it.
+
+A ``TorchFunctionMode`` sees every call of a function of ``torch``, ``torch.nn.functional`` or
+a tensor method (modules call them too). For a call that records gradients it looks the
+function up in the rule registry (:mod:`actune.rules`) once: the rule may run the op through
+an autograd function that saves less, and otherwise names which of the level's bit widths
+the saved-tensor hooks give what the op saves. It then records the op being run on the
+session, so the pack hook knows whose tensor it packs, and on statistics steps of the bit
+allocator tells it how rounding noise in what the op saved reaches parameter gradients.
+
+Saving that another mechanism owns (a checkpointed region, ``save_on_cpu``, whose
+saved-tensor hooks are above actune's) is left to it: the op runs as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch.overrides import TorchFunctionMode
+
+from actune.autoprec import AutoPrecision
+from actune.rules import RULES, funcs_of
+from actune.rules.matmuls import CONVS, PLAIN_CONVS
+from actune.substitutes import arg, as_tuple
+
+__all__ = ["FunctionMode"]
+
+_MATMULS = funcs_of("matmul")
+_NORMS = funcs_of("norm")
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+class FunctionMode(TorchFunctionMode):
+    """Routes each call that records gradients through its rule (see the module docstring)."""
+
+    def __init__(self, session) -> None:
+        super().__init__()
+        self.s = session
+
+    # torch.compile cannot capture this routing (Python state, hooks): inside a compiled
+    # region every call under compressed() runs eagerly, so compression stays correct.
+    @torch.compiler.disable(recursive=True)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not args or not _needs_grad(*args, *kwargs.values()):
+            return func(*args, **kwargs)
+        s = self.s
+        top = _top_hooks(False)
+        if top is None or top[0] is not s.hook:  # a checkpointed region, save_on_cpu...
+            return func(*args, **kwargs)
+        ap = s.allocator()
+        if ap is None or not ap.collecting:
+            out = self._run(func, args, kwargs)
+            if ap is not None and ap.tracking:
+                ap.track(_first_tensor(out))
+            return out
+        # a statistics step: the gradient of this op's output weighs the slots it reads
+        outer, s.touched = s.touched, []
+        try:
+            out = self._run(func, args, kwargs)
+        finally:
+            touched, s.touched = s.touched, outer
+        first = _first_tensor(out)
+        if first is not None and (touched or func in _MATMULS):
+            self._watch(ap, touched, first, func, args, kwargs)
+        if ap.tracking:
+            ap.track(first)
+        return out
+
+    def _run(self, func, args, kwargs):
+        s = self.s
+        rule = RULES.get(func)
+        previous = s.kind, s.only_shape, s.references, s.op
+        only, refs = None, ()
+        if rule is not None and rule.only_input_shape and isinstance(args[0], torch.Tensor):
+            # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
+            # the tensor of the input's shape, may be rounded; its weight, bias and running
+            # statistics are references
+            only = args[0].shape
+            refs = tuple(a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor))
+        s.kind, s.only_shape, s.references, s.op = (
+            rule.bits if rule is not None else None, only, refs, func)
+        try:
+            if (rule is not None and rule.replace is not None and not s.level.exact
+                    and isinstance(args[0], torch.Tensor)):
+                out = rule.replace(s, func, args, kwargs, s.level)
+                if out is not None:
+                    return out
+            return func(*args, **kwargs)
+        finally:
+            s.kind, s.only_shape, s.references, s.op = previous
+
+    def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
+               kwargs) -> None:
+        """Tell the allocator how rounding noise in what ``func`` saved reaches parameter
+        gradients (statistics steps only; device scalars, no synchronisation; derivation in
+        docs/autoprec.md). A matmul's input noise enters its own weight gradient, ``fan_in``
+        elements per output gradient element; the size of that weight gradient,
+        ``fan_in * mean(x**2) * |grad|**2``, is what noise relayed from above it perturbs. An
+        elementwise op's noise enters the gradient of its input and is relayed to every weight
+        gradient below it (a norm's noise relative to its input's spread, hence ``1 / var``)."""
+        x = args[0]
+        if func in _MATMULS:
+            fan = _fan_in(func, args, kwargs)
+            size = (x.detach().float().square().mean() * fan
+                    if isinstance(x, torch.Tensor) and x.is_floating_point() else None)
+            ap.watch(touched, out, fan, relayed=False, size=size)
+            self.s.last_matmul = (weakref.ref(out), func, args, kwargs)
+            return
+        if func in _NORMS and isinstance(x, torch.Tensor) and x.dim() >= 2:
+            dims = (0, *range(2, x.dim())) if func is F.batch_norm else (x.dim() - 1,)
+            scale = (x.detach().float().var(dim=dims) + 1e-5).reciprocal().mean()
+            weight = arg(args, kwargs, 3, "weight", None) if func is F.batch_norm else None
+            coherent = None
+            if isinstance(weight, torch.Tensor):
+                coherent = _coherent(self.s.last_matmul, x, weight, dims)
+            self.s.last_matmul = None  # holds the matmul's input: let it go
+            ap.watch(touched, out, scale, relayed=True,
+                     norm=(weight, dims, coherent) if isinstance(weight, torch.Tensor)
+                     else None)
+            if isinstance(weight, torch.Tensor):  # and directly its own weight's gradient
+                ap.watch(touched, out, scale, relayed=False)
+            return
+        ap.watch(touched, out, 1.0, relayed=True)
+
+
+def _coherent(last, h: torch.Tensor, gamma: torch.Tensor, dims) -> torch.Tensor | None:
+    """Per channel ``gamma**2 * invstd**4 * |sum x_hat * x_patch|**2 / M**2`` for a batch norm
+    whose input ``h`` a convolution or linear layer just produced from ``x``: the factor by which
+    the channel's rounding noise, shared by all its elements through the mean in batch norm's
+    backward, reaches that layer's weight gradient coherently (docs/autoprec.md)."""
+    if last is None or last[0]() is not h or last[1] not in (*CONVS, F.linear):
+        return None
+    _, func, args, kwargs = last
+    x, w = args[0], arg(args, kwargs, 1, "weight", None)
+    if not isinstance(w, torch.Tensor) or (func in CONVS and func not in PLAIN_CONVS):
+        return None
+    with torch.no_grad():
+        hd = h.detach().float()
+        mean = hd.mean(dim=dims, keepdim=True)
+        invstd = (hd.var(dim=dims, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+        x_hat = (hd - mean) * invstd
+        xd = x.detach().float()
+        if func is F.linear:
+            a = x_hat.reshape(-1, x_hat.shape[-1]).t() @ xd.reshape(-1, xd.shape[-1])
+        else:
+            stride = arg(args, kwargs, 3, "stride", 1)
+            padding = arg(args, kwargs, 4, "padding", 0)
+            dilation = arg(args, kwargs, 5, "dilation", 1)
+            groups = arg(args, kwargs, 6, "groups", 1)
+            if isinstance(padding, str):
+                return None
+            n = w.dim() - 2
+            a = torch.ops.aten.convolution_backward(
+                x_hat, xd, w.detach().float(), None, as_tuple(stride, n), as_tuple(padding, n),
+                as_tuple(dilation, n), False, [0] * n, groups, [False, True, False])[1]
+        count = h.numel() // h.shape[1]
+        per_channel = a.reshape(a.shape[0], -1).square().sum(1)
+        return (gamma.detach().float().square() * invstd.reshape(-1) ** 4 * per_channel
+                / count**2)
+
+
+@functools.lru_cache(maxsize=256)
+def _inside_share(size: int, k: int, stride: int, pad: int, dilation: int) -> float:
+    """The share of a kernel's taps, over all output positions, that land inside the input."""
+    outputs = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+    if outputs <= 0:
+        return 1.0
+    inside = sum(0 <= o * stride - pad + j * dilation < size
+                 for o in range(outputs) for j in range(k))
+    return inside / (outputs * k)
+
+
+def _fan_in(func, args, kwargs) -> float:
+    """How many saved elements each output element of ``func`` reads per weight (the factor
+    by which rounding noise in its input reaches its weight gradient; 1 for elementwise ops)."""
+    if func in CONVS:
+        weight = arg(args, kwargs, 1, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return 1
+        fan = float(weight[0].numel())
+        x = args[0]
+        if func in PLAIN_CONVS and isinstance(x, torch.Tensor):
+            n = weight.dim() - 2
+            padding = arg(args, kwargs, 4, "padding", 0)
+            if not isinstance(padding, str):  # taps that fall on the padding read nothing
+                stride = as_tuple(arg(args, kwargs, 3, "stride", 1), n)
+                dilation = as_tuple(arg(args, kwargs, 5, "dilation", 1), n)
+                for size, k, st, p, d in zip(x.shape[-n:], weight.shape[2:], stride,
+                                             as_tuple(padding, n), dilation, strict=True):
+                    fan *= _inside_share(int(size), int(k), int(st), int(p), int(d))
+        return fan
+    if func in _MATMULS and isinstance(args[0], torch.Tensor) and args[0].dim():
+        return int(args[0].shape[-1])
+    return 1
+
+
+def _first_tensor(out) -> torch.Tensor | None:
+    """``out`` if it is a tensor, else the first tensor of a tuple or list of outputs."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple | list):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return None
+
+

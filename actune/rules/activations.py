@@ -1,0 +1,91 @@
+"""Activations: GELU, SiLU, sigmoid, tanh (derivative saved), softmax (two rounded copies),
+log-softmax (its probabilities saved).
+
+A nonlinearity's backward would read its input or output through the nonlinearity, which turns
+rounding noise into bias. These save their derivative instead, rounded at ``other_bits`` and
+used linearly (``grad * f'(x)``): unbiased (Few-Bit Backward, Novikov et al., ICML 2023, keeps
+such derivatives in 2-3 bits). Softmax's backward ``y * (g - sum(g * y))`` is quadratic in its
+output: two independently rounded copies, one per factor, keep it unbiased. Log-softmax's
+backward ``g - p * sum(g)`` is linear in the probabilities ``p``: one rounded copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.rules import register
+from actune.substitutes import (
+    PackedLogSoftmax,
+    SavedDerivative,
+    TwoCopySoftmax,
+    arg,
+    gelu_derivative,
+    silu_derivative,
+)
+
+
+def compressible(x, level) -> bool:
+    """Is ``x`` a floating tensor large enough to pack at ``level.other_bits``?"""
+    return (level.other_bits is not None and isinstance(x, torch.Tensor)
+            and x.is_floating_point() and x.numel() >= level.min_numel)
+
+
+_DERIVATIVE = "derivative rounded at other bits (used linearly)"
+
+
+@register((F.gelu,), "activation", None, _DERIVATIVE)
+def gelu(s, func, args, kwargs, level):
+    x = args[0]
+    if not compressible(x, level):
+        return None
+    approximate = arg(args, kwargs, 1, "approximate", "none")
+    return SavedDerivative.apply(x, lambda t: F.gelu(t, approximate=approximate),
+                                 gelu_derivative(approximate), level.other_bits, s, True)
+
+
+@register((F.silu,), "activation", None, _DERIVATIVE)
+def silu(s, func, args, kwargs, level):
+    x = args[0]
+    if not compressible(x, level) or arg(args, kwargs, 1, "inplace", False):
+        return None
+    return SavedDerivative.apply(x, F.silu, silu_derivative, level.other_bits, s, True)
+
+
+@register((torch.sigmoid, F.sigmoid, torch.Tensor.sigmoid), "activation", None, _DERIVATIVE)
+def sigmoid(s, func, args, kwargs, level):
+    x = args[0]
+    if not compressible(x, level):
+        return None
+    return SavedDerivative.apply(x, torch.sigmoid, lambda _x, y: y * (1 - y),
+                                 level.other_bits, s, False)
+
+
+@register((torch.tanh, F.tanh, torch.Tensor.tanh), "activation", None, _DERIVATIVE)
+def tanh(s, func, args, kwargs, level):
+    x = args[0]
+    if not compressible(x, level):
+        return None
+    return SavedDerivative.apply(x, torch.tanh, lambda _x, y: 1 - y * y, level.other_bits, s,
+                                 False)
+
+
+@register((F.softmax, torch.softmax, torch.Tensor.softmax), "activation", None,
+          "two independently rounded copies of the output (backward quadratic in it)")
+def softmax(s, func, args, kwargs, level):
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim", None)
+    if not compressible(x, level) or dim is None:
+        return None
+    return TwoCopySoftmax.apply(x, dim, kwargs.get("dtype"), level.other_bits, s)
+
+
+@register((F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax), "activation", None,
+          "the probabilities rounded at other bits (backward linear in them)")
+def log_softmax(s, func, args, kwargs, level):
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim", None)
+    if not compressible(x, level) or dim is None:
+        return None
+    dtype = arg(args, kwargs, 3 if func is F.log_softmax else 2, "dtype", None)
+    return PackedLogSoftmax.apply(x, dim, dtype, level.other_bits, s)

@@ -1,0 +1,69 @@
+"""Elementwise math written inline: products, powers, exp, sqrt, rsqrt, reciprocal, erf, log,
+sin, cos, and embeddings.
+
+* A product ``a * b`` saves each operand for the other's gradient: linear in each, so they are
+  rounded at ``other_bits`` (unbiased). The same holds for ``exp`` (backward ``grad * y``),
+  ``x ** 2`` and ``square`` (backward ``2 * grad * x``) and an embedding (it saves indices).
+* Every other op here has a nonlinear backward in what it saves; it saves its derivative,
+  rounded and used linearly, instead (GPT-2's ``x ** 3``, RMSNorm's ``rsqrt``, ...).
+
+Additions, subtractions, negation, concatenation, slices, views and casts save nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.rules import register
+from actune.rules.activations import compressible
+from actune.substitutes import SavedDerivative, arg
+
+register((torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+          torch.Tensor.mul_, torch.Tensor.__imul__, torch.exp, torch.Tensor.exp,
+          torch.square, torch.Tensor.square, F.embedding),
+         "elementwise", "other", "operands rounded at other bits (backward linear in each)")(None)
+
+_DERIVATIVE = "derivative rounded at other bits (used linearly)"
+
+
+def _derivative_rule(funcs, fn, derivative, of_input: bool) -> None:
+    """Register ``funcs`` (unary ops) to save ``derivative(x, y)`` instead of ``x`` or ``y``."""
+
+    @register(funcs, "elementwise", None, _DERIVATIVE)
+    def rule(s, func, args, kwargs, level):
+        x = args[0]
+        if len(args) > 1 or kwargs or not compressible(x, level):
+            return None  # an out= or other argument: PyTorch's own (exact)
+        return SavedDerivative.apply(x, fn, derivative, level.other_bits, s, of_input)
+
+
+_derivative_rule((torch.sqrt, torch.Tensor.sqrt), torch.sqrt,
+                 lambda _x, y: y.reciprocal().mul_(0.5), False)
+_derivative_rule((torch.rsqrt, torch.Tensor.rsqrt), torch.rsqrt,
+                 lambda _x, y: y.pow(3).mul_(-0.5), False)
+_derivative_rule((torch.reciprocal, torch.Tensor.reciprocal), torch.reciprocal,
+                 lambda _x, y: y.square().neg_(), False)
+_derivative_rule((torch.erf, torch.special.erf, torch.Tensor.erf), torch.erf,
+                 lambda x, _y: x.square().neg_().exp_().mul_(2 / math.sqrt(math.pi)), True)
+_derivative_rule((torch.log, torch.Tensor.log), torch.log, lambda x, _y: x.reciprocal(), True)
+_derivative_rule((torch.sin, torch.Tensor.sin), torch.sin, lambda x, _y: x.cos(), True)
+_derivative_rule((torch.cos, torch.Tensor.cos), torch.cos, lambda x, _y: x.sin().neg_(), True)
+
+
+@register((torch.pow, torch.Tensor.pow, torch.Tensor.__pow__), "elementwise", None,
+          "x ** 2: input rounded at other bits (backward linear in it); other constant "
+          "exponents: derivative rounded")
+def power(s, func, args, kwargs, level):
+    x, p = args[0], arg(args, kwargs, 1, "exponent", None)
+    if (kwargs or not compressible(x, level) or not isinstance(p, numbers.Real)
+            or isinstance(p, bool)):
+        return None  # a tensor exponent or base: PyTorch's own (exact)
+    if p == 2:
+        return s.run_as("other", func, args, kwargs)
+    p = float(p)
+    return SavedDerivative.apply(x, lambda t: t.pow(p), lambda t, _y: t.pow(p - 1).mul_(p),
+                                 level.other_bits, s, True)

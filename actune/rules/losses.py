@@ -1,0 +1,101 @@
+"""Losses: ``F.cross_entropy`` over class logits (the LM head's loss).
+
+PyTorch's cross entropy keeps the log-probabilities, an exact float copy of the logits' size,
+until backward: over a large vocabulary the largest tensor of a small LM's step (Cut
+Cross-Entropy, Wijmans et al., 2024). Its gradient, ``(p - target distribution) * weight``, is
+linear in the probabilities ``p``: :class:`PackedCrossEntropy` keeps them rounded at
+``other_bits`` (unbiased), plus the targets and per-row weights (small). Its forward works in
+slices of rows, so the float copies and exponentials it needs are a slice's size, not the
+logits'. ``log_softmax`` followed by ``nll_loss`` is covered by the log-softmax rule.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.rules import register
+from actune.rules.activations import compressible
+from actune.saved import check_double_backward, take
+from actune.substitutes import arg
+
+#: Elements of the logits handled at a time (a float32 slice of 16 MiB).
+SLICE = 1 << 22
+
+
+@register((F.cross_entropy,), "loss", None,
+          "probabilities rounded at other bits (gradient linear in them), targets exact; "
+          "forward in slices of rows")
+def cross_entropy(s, func, args, kwargs, level):
+    x, target = args[0], arg(args, kwargs, 1, "target", None)
+    weight = arg(args, kwargs, 2, "weight", None)
+    ignore_index = int(arg(args, kwargs, 4, "ignore_index", -100))
+    reduction = arg(args, kwargs, 6, "reduction", "mean")
+    smoothing = float(arg(args, kwargs, 7, "label_smoothing", 0.0))
+    legacy = (arg(args, kwargs, 3, "size_average", None), arg(args, kwargs, 5, "reduce", None))
+    if (not compressible(x, level) or x.dim() != 2 or not isinstance(target, torch.Tensor)
+            or target.dim() != 1 or target.is_floating_point() or legacy != (None, None)
+            or reduction not in ("mean", "sum", "none")
+            or (weight is not None and (smoothing or weight.requires_grad))):
+        return None  # class probabilities as targets, legacy arguments...: PyTorch's own
+    return PackedCrossEntropy.apply(x, target, weight, ignore_index, reduction, smoothing,
+                                    level.other_bits, s)
+
+
+class PackedCrossEntropy(torch.autograd.Function):
+    """Cross entropy over ``(N, C)`` logits keeping the probabilities packed."""
+
+    @staticmethod
+    def forward(ctx, x, target, weight, ignore_index, reduction, smoothing, bits, session):
+        n, classes = x.shape
+        valid = target != ignore_index
+        safe = torch.where(valid, target, 0)
+        row_weight = valid.to(torch.float32)
+        if weight is not None:
+            row_weight = row_weight * weight.float()[safe]
+        losses = torch.empty(n, dtype=torch.float32, device=x.device)
+        rows = max(1, SLICE // max(classes, 1))
+        packed = []
+        for start in range(0, n, rows):
+            part = x[start:start + rows].float()
+            lse = torch.logsumexp(part, 1)
+            loss = lse - part.gather(1, safe[start:start + rows, None]).squeeze(1)
+            if smoothing:
+                loss = loss.mul_(1 - smoothing).add_((lse - part.mean(1)).mul_(smoothing))
+            losses[start:start + rows] = loss
+            p = part.sub(lse[:, None]).exp_()
+            del part, lse
+            if x.dtype != torch.float32:
+                p = p.to(x.dtype)
+            session.count(p)  # PyTorch keeps the log-probabilities, as large
+            packed.append(session.pack_fixed(p, bits, "cross_entropy"))
+            del p
+        losses.mul_(row_weight)
+        ctx.packed, ctx.rows = packed, rows
+        ctx.target, ctx.row_weight = safe, row_weight
+        ctx.conf = (reduction, smoothing, classes, x.dtype)
+        if reduction == "none":
+            return losses.to(x.dtype)
+        total = losses.sum()
+        return (total / row_weight.sum() if reduction == "mean" else total).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        reduction, smoothing, classes, dtype = ctx.conf
+        packed = take(ctx, "packed")
+        coef = ctx.row_weight * grad.float()  # per row: d loss / d p
+        if reduction == "mean":
+            coef = coef / ctx.row_weight.sum()
+        out = torch.empty((ctx.target.numel(), classes), dtype=dtype, device=grad.device)
+        rows = ctx.rows
+        for i, saved in enumerate(packed):
+            start = i * rows
+            c = coef[start:start + rows, None]
+            part = saved.fresh().float().mul_(c)
+            part.scatter_add_(1, ctx.target[start:start + rows, None], -(1 - smoothing) * c)
+            if smoothing:
+                part.sub_(c * (smoothing / classes))
+            out[start:start + rows] = part
+            del part
+        return out, None, None, None, None, None, None, None

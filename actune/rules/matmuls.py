@@ -1,0 +1,35 @@
+"""Matmuls: linear layers, convolutions, matmul / mm / bmm / addmm / baddbmm / einsum.
+
+What they save is their inputs (the weight gradient reads the activation, the input gradient
+the weight). Both backward products are linear in each saved tensor, so the activation is kept
+stochastically rounded at the level's ``matmul_bits``: the gradient stays unbiased. Parameters
+stay references. Large plain convolutions run :class:`~actune.substitutes.OrderedConv`, whose
+backward holds one activation-sized tensor at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.rules import register
+from actune.substitutes import OrderedConv, conv_args
+
+PLAIN_CONVS = (F.conv1d, F.conv2d, F.conv3d)
+CONVS = (*PLAIN_CONVS, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+_KEEPS = "inputs rounded at matmul bits (backward linear in each)"
+
+register((F.linear, F.bilinear, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+          torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.addbmm,
+          torch.einsum, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+          torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.addmm, torch.Tensor.baddbmm),
+         "matmul", "matmul", _KEEPS)(None)
+
+
+@register(PLAIN_CONVS, "matmul", "matmul", _KEEPS + "; large ones backward one tensor at a time")
+def ordered_conv(s, func, args, kwargs, level):
+    """A large batched convolution runs :class:`OrderedConv` (same values, less memory)."""
+    if level.matmul_bits is None:
+        return None
+    conv = conv_args(func, args, kwargs)
+    return None if conv is None else OrderedConv.apply(*conv)
