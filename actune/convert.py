@@ -11,6 +11,7 @@ reason in :func:`summary`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,6 +27,7 @@ __all__ = ["ConversionRow", "autoprec_of", "compress", "decompress", "is_compres
 
 _LEVEL_ATTR = "_actune_level"
 _AUTOPREC_ATTR = "_actune_autoprec"
+_ROOT_LEVEL_ATTR = "_actune_root_level"
 
 # Layer classes with a compressed counterpart, and what the counterpart keeps for backward.
 _SUPPORTED: dict[type[nn.Module], str] = {
@@ -104,16 +106,19 @@ def _supported(cls: type[nn.Module]) -> str | None:
 
 
 def _enter_forward(module, _args):
+    # the whole forward runs under the model's level: the functional calls between layers
+    # (attention, inline activations, the loss a model computes itself) follow the same rules
     ap = module.__dict__.get(_AUTOPREC_ATTR) if module.training else None
-    cache = shared_cache(ap)
-    cache.__enter__()
-    module._actune_cache = cache
+    stack = contextlib.ExitStack()
+    stack.enter_context(shared_cache(ap))
+    stack.enter_context(compressed(module.__dict__[_ROOT_LEVEL_ATTR]))
+    module._actune_cache = stack
 
 
 def _exit_forward(module, _args, _output):
-    cache = module.__dict__.pop("_actune_cache", None)
-    if cache is not None:
-        cache.__exit__(None, None, None)
+    stack = module.__dict__.pop("_actune_cache", None)
+    if stack is not None:
+        stack.close()
 
 
 def is_compressed(module: nn.Module) -> bool:
@@ -126,9 +131,11 @@ def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50,
     """Convert ``model``'s supported layers in place to compressed counterparts; returns it.
 
     Works before or after ``.to(device)``; converting again just sets the new level;
-    :func:`decompress` restores plain layers. Functional calls written in a model's own
-    ``forward`` (outside the layers) are not covered here: wrap the step in
-    :func:`actune.compressed` for those. A mixed-precision level (L3-L5, ``"2b"``, ``"1.25b"``)
+    :func:`decompress` restores plain layers. The model's whole forward runs under
+    :func:`actune.compressed` at that level, so functional calls between the layers (attention,
+    inline activations, a loss the model computes itself, as Hugging Face models do with
+    ``labels``) follow the same rules; a loss computed outside the model is not covered: wrap
+    it in :func:`actune.compressed` too. A mixed-precision level (L3-L5, ``"2b"``, ``"1.25b"``)
     attaches an :class:`~actune.autoprec.AutoPrecision` (see :func:`autoprec_of`); each
     forward pass in training mode is one step of it, ``every`` steps between allocations,
     ``per_sample`` bits per sample too. ``inplace``: batch norms that are the only reader of
@@ -151,6 +158,7 @@ def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50,
             continue
         module.__class__ = _counterpart(base)
         setattr(module, _LEVEL_ATTR, lv)
+    model.__dict__[_ROOT_LEVEL_ATTR] = lv
     if not hasattr(model, "_actune_handles"):
         model._actune_handles = (model.register_forward_pre_hook(_enter_forward),
                                  model.register_forward_hook(_exit_forward, always_call=True))
@@ -174,6 +182,7 @@ def decompress(model: nn.Module) -> nn.Module:
     for handle in model.__dict__.pop("_actune_handles", ()):
         handle.remove()
     model.__dict__.pop(_AUTOPREC_ATTR, None)
+    model.__dict__.pop(_ROOT_LEVEL_ATTR, None)
     disallow_inplace_norms(model)
     return model
 

@@ -56,7 +56,7 @@ class Trial:
             inputs, targets = wl.make_batch(batch, sizes.get("resolution"))
             opt.zero_grad(set_to_none=True)
             with actune.compressed(level, stats=sink):
-                loss = wl.loss(wl.forward(model, inputs), targets)
+                loss = wl.step_loss(model, inputs, targets)
             loss.backward()
             opt.step()
 

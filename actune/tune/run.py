@@ -184,7 +184,7 @@ def throughputs(workload: Workload, runs: list[tuple[Level, int]], sizes: dict, 
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with actune.compressed(level):
-            loss = workload.loss(workload.forward(model, inputs), targets)
+            loss = workload.step_loss(model, inputs, targets)
         loss.backward()
         opt.step()
         sync()

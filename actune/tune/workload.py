@@ -5,8 +5,10 @@ A model file is a plain Python file (see docs/tuning.md and docs/examples/model.
     def build_model(depth=1.0, width=1.0, resolution=32):   # required; scalable keywords
         ...                                                  # are the ones it accepts
     def make_batch(batch_size, resolution=32):               # required
-        return inputs, targets     # inputs: a tensor, or a tuple of forward's arguments
-    def loss_fn(outputs, targets): ...                       # optional: cross entropy
+        return inputs, targets     # inputs: a tensor, a tuple of forward's arguments, or a
+                                   # dict of its keyword arguments; targets may be None
+    def loss_fn(outputs, targets): ...                       # optional: the output's own
+                                                             # `loss`, else cross entropy
     def make_optimizer(parameters): ...                      # optional: SGD, momentum 0.9
     def make_dataset(resolution=32):                         # optional: for `actune train`
         return x_train, y_train, x_test, y_test
@@ -55,6 +57,7 @@ class Workload:
     dims: dict[str, float] = field(default_factory=dict)  # scalable keyword -> default value
     source: str = ""  # the model file's path, or "builtin:NAME" (to rebuild it elsewhere)
     dataset_fn: Callable | None = None  # make_dataset(): real data for training
+    custom_loss: bool = False  # the model file defines loss_fn
 
     def dataset(self, resolution: int | None = None) -> Dataset:
         """The workload's training and test data (``make_dataset`` of a model file)."""
@@ -95,9 +98,35 @@ class Workload:
 
     @staticmethod
     def forward(model: nn.Module, inputs):
-        """``model(*inputs)`` for a tuple of inputs (a model of several arguments), else
-        ``model(inputs)`` (a tensor, or a list or dict the model takes as one argument)."""
+        """``model(**inputs)`` for a dict (keyword arguments, as Hugging Face models take a
+        batch), ``model(*inputs)`` for a tuple (a model of several arguments), else
+        ``model(inputs)`` (a tensor, or a list the model takes as one argument)."""
+        if isinstance(inputs, dict):
+            return model(**inputs)
         return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+    def loss_of(self, outputs, targets) -> torch.Tensor:
+        """The step's loss: ``loss_fn(outputs, targets)`` if the model file defines one, else
+        the outputs' own ``loss`` (a Hugging Face ``ModelOutput`` given ``labels``, a dict),
+        else cross entropy of a tensor output against ``targets``."""
+        if self.custom_loss:
+            return self.loss(outputs, targets)
+        own = _own_loss(outputs)
+        if own is not None:
+            return own
+        if isinstance(outputs, torch.Tensor):
+            return self.loss(outputs, targets)
+        raise WorkloadError(
+            f"{self.name}: the model returned {type(outputs).__name__} without a loss in it. "
+            f"Put the labels in the inputs so that the model computes its loss (for a Hugging "
+            f"Face model: make_batch returns ({{'input_ids': ids, 'labels': ids}}, None)), "
+            f"return the logits as one tensor, or define loss_fn(outputs, targets).")
+
+    def step_loss(self, model: nn.Module, inputs, targets) -> torch.Tensor:
+        """Forward ``inputs`` through ``model`` and return the loss; nothing else of the
+        output is kept (a model's logits are freed before backward, as in a training loop
+        that keeps only the loss)."""
+        return self.loss_of(self.forward(model, inputs), targets)
 
     def _batch_params(self) -> set[str]:
         return set(inspect.signature(self.batch).parameters)
@@ -128,14 +157,11 @@ class Workload:
                                     f"(inputs, targets), got {type(made).__name__}.")
             inputs, targets = made
             out = self._call("the model's forward pass", self.forward, model, inputs)
-            if not isinstance(out, torch.Tensor):
-                raise WorkloadError(
-                    f"{self.name}: the model returned {type(out).__name__}, not a tensor. "
-                    f"Return the outputs (e.g. logits) as one tensor, or wrap the model so "
-                    f"that it does.")
+            shape = (f"outputs are {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                     else f"outputs are a {type(out).__name__}")
             loss = self._call("loss_fn(outputs, targets) (check the targets' shape and "
-                              f"dtype: outputs are {tuple(out.shape)}, targets are "
-                              f"{_describe(targets)})", self.loss, out, targets)
+                              f"dtype: {shape}, targets are {_describe(targets)})",
+                              self.loss_of, out, targets)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise WorkloadError(f"{self.name}: loss_fn must return a scalar tensor, got "
                                     f"{_describe(loss)}.")
@@ -168,6 +194,12 @@ def _to_device(value, device: torch.device):
     if isinstance(value, dict):
         return {k: _to_device(v, device) for k, v in value.items()}
     return value
+
+
+def _own_loss(outputs) -> torch.Tensor | None:
+    """The loss a model returned itself: a ``loss`` attribute or key holding a tensor."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def _describe(value) -> str:
@@ -237,6 +269,7 @@ def load(path: str | Path) -> Workload:
     dims = {d: params[d].default for d in DIMENSIONS if d in params}
     return Workload(p.stem, factory, module.make_batch,
                     loss=getattr(module, "loss_fn", F.cross_entropy),
+                    custom_loss=callable(getattr(module, "loss_fn", None)),
                     optimizer=getattr(module, "make_optimizer", default_optimizer),
                     dims=dims, source=str(p.resolve()),
                     dataset_fn=getattr(module, "make_dataset", None))
