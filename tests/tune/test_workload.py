@@ -43,7 +43,7 @@ def test_a_good_file_loads_and_reports_its_scalable_dimensions(tmp_path):
                   "round(16 * width)))",
                   "return nn.Sequential(nn.Flatten(), Pair())\n"
                   "class Pair(nn.Module):\n    def forward(self, x):\n        return (x, x)"),
-     "returned tuple, not a tensor"),
+     "returned tuple without a loss in it.*define loss_fn"),
     (GOOD.replace("torch.randint(0, 16, (batch_size,))", "torch.randint(0, 16, (batch_size, 3))"),
      "loss_fn\\(outputs, targets\\).*targets are a \\(2, 3\\) int64 tensor"),
     (GOOD.replace("return torch.randn(batch_size, 1, resolution, resolution), "
@@ -81,7 +81,7 @@ def test_batches_land_on_the_device_the_step_runs_on(tmp_path, source):
     assert inputs.device.type == "cpu" and targets.device.type == "cpu"
 
 
-def test_a_tuple_of_inputs_is_the_forward_arguments_and_a_dict_is_one(tmp_path):
+def test_a_tuple_of_inputs_is_the_forward_arguments_and_a_dict_its_keywords(tmp_path):
     import torch
 
     several = write(tmp_path, """
@@ -125,10 +125,16 @@ def test_a_tuple_of_inputs_is_the_forward_arguments_and_a_dict_is_one(tmp_path):
         def build_model():
             return DictInput()
 
-        def make_batch(batch_size):
-            return {"x": torch.randn(batch_size, 8)}, torch.randint(0, 4, (batch_size,))
+        def make_batch(batch_size):  # one dict argument: a tuple of one
+            return ({"x": torch.randn(batch_size, 8)},), torch.randint(0, 4, (batch_size,))
         """, "one.py")
     load(one).check()
+    keywords = write(tmp_path, (tmp_path / "one.py").read_text()
+                     .replace("def forward(self, batch):", "def forward(self, x):")
+                     .replace('self.head(batch["x"])', "self.head(x)")
+                     .replace('return ({"x": torch.randn(batch_size, 8)},),',
+                              'return {"x": torch.randn(batch_size, 8)},'), "keywords.py")
+    load(keywords).check()
 
 
 def test_errors_after_the_dry_run_name_the_function_and_out_of_memory_passes_through(tmp_path):
@@ -147,3 +153,92 @@ def test_errors_after_the_dry_run_name_the_function_and_out_of_memory_passes_thr
 
     with pytest.raises(torch.OutOfMemoryError):  # a search reads it as "does not fit"
         wl._call("build_model()", out_of_memory)
+
+
+HF_STYLE = """
+import torch
+from torch import nn
+
+class Out(dict):  # a ModelOutput is a dict whose keys are attributes too
+    __getattr__ = dict.get
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        assert attention_mask is not None  # keyword arguments arrive by name
+        logits = self.head(self.emb(input_ids))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return Out(loss=loss, logits=logits)
+
+def build_model():
+    return LM()
+
+def make_batch(batch_size):
+    ids = torch.randint(0, 50, (batch_size, 8))
+    return {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}, None
+"""
+
+
+def test_hugging_face_conventions_dict_inputs_and_the_outputs_own_loss(tmp_path):
+    import torch
+
+    wl = load(write(tmp_path, HF_STYLE))
+    wl.check()
+    inputs, targets = wl.make_batch(3)
+    assert targets is None
+    loss = wl.step_loss(wl.model(), inputs, targets)
+    assert loss.dim() == 0 and loss.requires_grad
+    # a loss_fn receives whatever the model returned
+    custom = HF_STYLE + "\ndef loss_fn(out, targets):\n    return out['logits'].square().mean()\n"
+    wl = load(write(tmp_path, custom, "custom.py"))
+    wl.check()
+    model = wl.model()
+    out = wl.step_loss(model, *wl.make_batch(2))
+    with torch.no_grad():
+        expected = model(**wl.make_batch(2)[0])["logits"]
+    assert out.shape == () and expected.shape == (2, 8, 50)
+
+
+def test_an_output_without_a_loss_says_how_to_get_one(tmp_path):
+    text = HF_STYLE.replace('"labels": ids, ', "")
+    with pytest.raises(WorkloadError, match="without a loss in it.*'labels': ids"):
+        load(write(tmp_path, text)).check()
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+def test_the_hugging_face_example_files_dry_run(name):
+    from pathlib import Path
+
+    pytest.importorskip("transformers")  # in the test extra: CI always has it
+    wl = load(Path(__file__).parents[2] / "docs" / "examples" / f"{name}.py")
+    assert set(wl.dims) == {"depth", "width", "resolution"}
+    small = {"depth": 0.0625, "width": 0.125, "resolution": 16}
+    wl.factory = _sized(wl.factory, small)
+    wl.check()
+
+
+def _sized(factory, sizes):
+    return lambda **kw: factory(**{**kw, **sizes})
+
+
+def test_a_missing_transformers_names_the_extra(tmp_path, monkeypatch):
+    import builtins
+    from pathlib import Path
+
+    real = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name.startswith("transformers"):
+            raise ImportError("No module named 'transformers'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    path = Path(__file__).parents[2] / "docs" / "examples" / "hf_gpt2.py"
+    with pytest.raises(WorkloadError, match=r"pip install 'actune\[hf\]'"):
+        load(path)

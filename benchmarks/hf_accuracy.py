@@ -1,0 +1,132 @@
+"""Accuracy on real text: a byte-level Hugging Face GPT-2 trained on Python's own documentation.
+
+``pydoc_data.topics`` ships with every Python (about 465 KB of English text about Python): the
+last tenth is held out for validation. A small ``GPT2LMHeadModel`` (random init from a config,
+vocabulary of 256 bytes) is trained at each level with ``actune.compress(model, level)``, the
+same steps, data order and seeds; the validation loss (nats per byte) is recorded every
+``--every`` steps and at the end, per seed, with its mean over the seeds.
+
+    python benchmarks/hf_accuracy.py [--steps 400] [--seeds 3] [--levels L0,L2,L3] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from pydoc_data.topics import topics
+from rich.console import Console
+from rich.table import Table
+
+import actune
+
+try:
+    from transformers import GPT2Config, GPT2LMHeadModel
+except ImportError as err:
+    raise SystemExit("needs Hugging Face transformers: pip install 'actune[hf]'") from err
+
+
+def corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes of pydoc_data.topics, split 90 / 10 into training and validation."""
+    text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    cut = int(0.9 * len(data))
+    return data[:cut], data[cut:]
+
+
+def batches(data: torch.Tensor, batch: int, context: int, gen: torch.Generator):
+    while True:
+        start = torch.randint(0, len(data) - context - 1, (batch,), generator=gen)
+        yield torch.stack([data[s:s + context] for s in start.tolist()])
+
+
+def model_of(seed: int, layers: int, width: int, context: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=256, n_positions=context, n_layer=layers, n_embd=width,
+                        n_head=max(1, width // 32), bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+@torch.no_grad()
+def validate(model, val: torch.Tensor, context: int, batches_: int = 16) -> float:
+    model.eval()
+    gen = torch.Generator().manual_seed(1234)
+    it = batches(val, 16, context, gen)
+    losses = [model(input_ids=(ids := next(it)), labels=ids).loss.item()
+              for _ in range(batches_)]
+    model.train()
+    return statistics.fmean(losses)
+
+
+def train(level: str, seed: int, args, train_data, val_data) -> dict:
+    model = model_of(seed, args.layers, args.width, args.context)
+    actune.compress(model, level)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    it = batches(train_data, args.batch, args.context, gen)
+    curve, t0 = [], time.perf_counter()
+    torch.manual_seed(seed + 1000)  # dropout and rounding streams
+    for step in range(1, args.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = args.lr * min(1.0, step / 20)
+        ids = next(it)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % args.every == 0 or step == args.steps:
+            curve.append((step, validate(model, val_data, args.context)))
+    return {"level": level, "seed": seed, "curve": curve, "final": curve[-1][1],
+            "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--levels", default="L0,L2,L3")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    train_data, val_data = corpus()
+    levels = args.levels.split(",")
+    runs = [train(lv, seed, args, train_data, val_data)
+            for seed in range(args.seeds) for lv in levels]
+    final = {lv: statistics.fmean(r["final"] for r in runs if r["level"] == lv) for lv in levels}
+    table = Table(title=f"byte-level GPT-2 ({args.layers} layers, {args.width} wide, "
+                        f"{args.context} tokens) on pydoc_data.topics, {args.steps} steps, "
+                        f"{args.seeds} seeds: validation loss (nats/byte)")
+    for col in ("level", *(f"seed {s}" for s in range(args.seeds)), "mean", "vs L0", "s/run"):
+        table.add_column(col, justify="right")
+    for lv in levels:
+        mine = [r for r in runs if r["level"] == lv]
+        table.add_row(lv, *(f"{r['final']:.4f}" for r in mine), f"{final[lv]:.4f}",
+                      f"{100 * (final[lv] / final[levels[0]] - 1):+.2f}%",
+                      f"{statistics.fmean(r['seconds'] for r in mine):.0f}")
+    Console(width=120).print(table)
+    curves = Table(title="mean validation loss by step")
+    curves.add_column("step", justify="right")
+    for lv in levels:
+        curves.add_column(lv, justify="right")
+    steps = [s for s, _ in runs[0]["curve"]]
+    for i, step in enumerate(steps):
+        curves.add_row(str(step), *(
+            f"{statistics.fmean(r['curve'][i][1] for r in runs if r['level'] == lv):.4f}"
+            for lv in levels))
+    Console(width=120).print(curves)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

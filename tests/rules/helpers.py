@@ -1,0 +1,44 @@
+"""Shared checks of the rule tests: a rule's gradient against PyTorch's exact one."""
+
+from __future__ import annotations
+
+import torch
+
+import actune
+from actune.levels import Level
+
+
+def level(bits: int, **extra) -> Level:
+    """Every compressed tensor at ``bits``, masks on, nothing too small to pack."""
+    return Level(f"t{bits}", matmul_bits=bits, other_bits=bits, masks=True, min_numel=1,
+                 **extra)
+
+
+def input_grads(fn, inputs: tuple[torch.Tensor, ...], lv, draws: int, seed: int = 0):
+    """``draws`` gradients of ``sum(fn(*inputs) * g)`` with respect to each input, at ``lv``
+    (a fixed random ``g``), stacked: one tensor per input."""
+    with torch.no_grad():
+        out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    samples = []
+    for s in range(draws):
+        torch.manual_seed(seed + s)
+        with actune.compressed(lv):
+            y = fn(*inputs)
+        samples.append(torch.autograd.grad(y, inputs, g))
+    return [torch.stack([s[i] for s in samples]) for i in range(len(inputs))]
+
+
+def exact_grads(fn, inputs):
+    return input_grads(fn, inputs, "L0", 1)
+
+
+def shrinks_like_noise(samples: torch.Tensor, exact: torch.Tensor, small=8, large=512) -> float:
+    """||mean of ``large`` samples - exact|| / ||mean of ``small`` samples - exact||: about
+    sqrt(small / large) for unbiased samples (0.125 at 8 and 512), near 1 for biased ones."""
+    err = [(samples[:k].mean(0) - exact).norm() for k in (small, large)]
+    return (err[1] / err[0]).item()
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()

@@ -1,0 +1,110 @@
+"""Attention: F.scaled_dot_product_attention with masks, the causal flag, dropout and GQA
+keeps v rounded (unbiased), q and k exact or at nonlinear_bits, and nothing else."""
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import actune
+from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
+
+
+def qkv(heads=4, kv_heads=4, seq=32, dim=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads, seq, dim, generator=gen)
+    k = torch.randn(2, kv_heads, seq, dim, generator=gen)
+    v = torch.randn(2, kv_heads, seq, dim, generator=gen)
+    return tuple(t.requires_grad_() for t in (q, k, v))
+
+
+CASES = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "bool_mask": {"attn_mask": torch.rand(32, 32, generator=torch.Generator().manual_seed(1))
+                  > 0.3},
+    "float_mask": {"attn_mask": torch.randn(2, 1, 32, 32,
+                                            generator=torch.Generator().manual_seed(2))},
+    "scale": {"scale": 0.3},
+    "gqa": {"enable_gqa": True},
+}
+
+
+def attention(kwargs):
+    return lambda q, k, v: F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, **kwargs)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_unbiased_with_exact_q_k_and_rounded_v(case):
+    inputs = qkv(kv_heads=2 if case == "gqa" else 4)
+    fn = attention(CASES[case])
+    exact = exact_grads(fn, inputs)
+    got = input_grads(fn, inputs, level(2), 256)
+    for name, g, e in zip("qkv", got, exact, strict=True):
+        if name == "v":  # v's gradient, P^T g, does not read v: exact
+            assert relative_error(g[0], e[0]) < 1e-5
+            continue
+        assert relative_error(g[0], e[0]) > 1e-3, name  # v was rounded
+        assert shrinks_like_noise(g, e[0], small=8, large=256) < 0.25, name
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_q_and_k_at_nonlinear_bits_are_close(bits):
+    inputs = qkv()
+    fn = attention({"is_causal": True})
+    exact = exact_grads(fn, inputs)
+    got = input_grads(fn, inputs, level(8, nonlinear_bits=bits), 1)
+    for g, e in zip(got, exact, strict=True):
+        assert relative_error(g[0], e[0]) < (0.02 if bits == 8 else 0.3)
+
+
+def test_dropout_is_replayed_in_the_recomputation():
+    inputs = qkv()
+    fn = attention({"dropout_p": 0.3})
+    torch.manual_seed(7)
+    exact = torch.autograd.grad(fn(*inputs).sum(), inputs)
+    torch.manual_seed(7)
+    with actune.compressed(level(8, nonlinear_bits=8)):
+        y = fn(*inputs)
+    torch.manual_seed(99)  # the stream moved on: the recomputation must not read it
+    got = torch.autograd.grad(y.sum(), inputs)
+    for g, e in zip(got, exact, strict=True):
+        assert relative_error(g, e) < 0.02
+
+
+def test_keeps_only_packed_q_k_v():
+    inputs = qkv(seq=64)
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        y = attention({"is_causal": True})(*inputs)
+    y.sum().backward()
+    s = st[0]
+    assert s.exact == {}
+    assert set(s.by_kind) == {"attention q/k", "attention v"}
+    # PyTorch keeps q, k, v and the output in float32: 4 x 4 bytes an element; here q and k
+    # at 8 bits and v at 2 (plus metadata)
+    assert s.ratio > 6
+
+
+def test_exact_q_k_are_named_in_the_statistics():
+    inputs = qkv(seq=64)
+    st = []
+    with actune.compressed(actune.get_level("L3").with_(nonlinear_bits=None), stats=st.append):
+        attention({})(*inputs).sum().backward()
+    assert set(st[0].exact) == {"scaled_dot_product_attention q/k"}
+    assert "scaled_dot_product_attention q/k 0.1" in st[0].describe_exact()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast(dtype):
+    q, k, v = qkv()
+    w = (torch.randn(16, 16, generator=torch.Generator().manual_seed(3)) / 4).requires_grad_()
+
+    def step(lv):
+        w.grad = None
+        with torch.autocast("cpu", dtype=dtype), actune.compressed(lv):
+            out = F.scaled_dot_product_attention(q @ w, k @ w, v @ w, is_causal=True)
+        out.float().square().sum().backward()
+        return w.grad.clone()
+
+    exact = step("L0")
+    assert relative_error(step(level(8, nonlinear_bits=8)), exact) < 0.05

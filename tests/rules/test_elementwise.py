@@ -1,0 +1,89 @@
+"""Elementwise rules: each op's input gradient is close at 8 bits and unbiased at 2 bits, and
+what it saves is packed (not kept exact)."""
+
+import math
+
+import pytest
+import torch
+
+import actune
+from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
+
+
+def gelu_new(x):  # GPT-2's activation, as Hugging Face writes it
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def rms_norm(x):  # Llama's RMSNorm, as Hugging Face writes it (weight 1)
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    return (h * torch.rsqrt(variance + 1e-6)).to(x.dtype)
+
+
+def rotary(x):  # rotate_half and cos / sin, as Llama writes them
+    pos = torch.arange(x.shape[-2], dtype=torch.float32)[:, None] * torch.arange(1, x.shape[-1] + 1)
+    cos, sin = pos.cos(), pos.sin()
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+OPS = {
+    "gelu_new": (gelu_new, lambda t: t),
+    "rms_norm": (rms_norm, lambda t: t),
+    "rotary": (rotary, lambda t: t),
+    "swiglu": (lambda t: torch.nn.functional.silu(t[..., :32]) * t[..., 32:], lambda t: t),
+    "exp": (torch.exp, lambda t: t.tanh()),
+    "erf": (torch.erf, lambda t: t),
+    "sqrt": (torch.sqrt, lambda t: t.abs() + 0.5),
+    "rsqrt": (torch.rsqrt, lambda t: t.abs() + 0.5),
+    "reciprocal": (torch.reciprocal, lambda t: t.abs() + 0.5),
+    "log": (torch.log, lambda t: t.abs() + 0.5),
+    "sin_cos": (lambda t: t.sin() * t.cos(), lambda t: t),
+    "pow3": (lambda t: t ** 3, lambda t: t),
+    # (t * 1.0: a leaf's saved value stays a reference, as parameters do)
+    "square": (lambda t: (t * 1.0).square() + (t * 1.0).pow(2), lambda t: t),
+    "clamp": (lambda t: t.clamp(-0.5, 0.7), lambda t: t),
+}
+
+
+def _input(make, shape=(16, 64), seed=0):
+    x = make(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
+    return x.requires_grad_()
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_close_at_8_bits_unbiased_at_2(op):
+    fn, make = OPS[op]
+    x = _input(make)
+    (exact,) = exact_grads(fn, (x,))
+    (eight,) = input_grads(fn, (x,), level(8), 1)
+    assert relative_error(eight[0], exact[0]) < 0.03
+    (two,) = input_grads(fn, (x,), level(2), 512)
+    if op == "clamp":  # a mask: exact, not rounded
+        assert torch.equal(two[0], exact[0])
+        return
+    assert relative_error(two[0], exact[0]) > 1e-3  # it was rounded
+    assert shrinks_like_noise(two, exact[0]) < 0.2
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_nothing_large_stays_exact(op):
+    fn, make = OPS[op]
+    x = _input(make, (64, 64))
+    st = []
+    with actune.compressed(level(2).with_(min_numel=1024), stats=st.append):
+        y = fn(x * 1.0)  # a non-leaf input, as inside a model
+    y.sum().backward()
+    assert st[0].exact == {}, st[0].exact
+    assert st[0].ratio > 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_exponents_and_out_of_place_arguments_fall_back_exactly(dtype):
+    x = _input(lambda t: t.abs().to(dtype) + 0.5)
+    e = torch.full_like(x, 1.5).requires_grad_()
+    fn = torch.pow
+    exact = exact_grads(fn, (x, e))
+    got = input_grads(fn, (x, e), level(2), 1)
+    for a, b in zip(got, exact, strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,83 @@
+"""Losses: cross entropy keeps its probabilities packed; the loss value is PyTorch's, the
+logits' gradient close at 8 bits and unbiased at 2."""
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import actune
+from actune.rules import losses
+from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
+
+TARGET = torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(1))
+TARGET[::7] = -100  # ignored rows
+WEIGHT = torch.rand(300, generator=torch.Generator().manual_seed(2)) + 0.5
+
+CASES = {
+    "mean": {},
+    "sum": {"reduction": "sum"},
+    "none": {"reduction": "none"},
+    "weight": {"weight": WEIGHT},
+    "smoothing": {"label_smoothing": 0.1},
+    "ignore_other": {"ignore_index": 3},
+}
+
+
+def loss(kwargs):
+    target = TARGET.clamp(min=0) if "ignore_index" in kwargs else TARGET
+    return lambda x: F.cross_entropy(x * 1.0, target, **kwargs)
+
+
+def logits(dtype=torch.float32):
+    x = torch.randn(48, 300, generator=torch.Generator().manual_seed(0)) * 3
+    return x.to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_value_is_pytorchs_and_gradient_unbiased(case):
+    fn = loss(CASES[case])
+    x = logits()
+    with torch.no_grad():
+        ref = fn(x)
+    with actune.compressed("L3"), torch.enable_grad():
+        got = fn(x)
+    torch.testing.assert_close(got, ref)
+    (exact,) = exact_grads(fn, (x,))
+    (eight,) = input_grads(fn, (x,), level(8), 1)
+    assert relative_error(eight[0], exact[0]) < 0.02
+    (two,) = input_grads(fn, (x,), level(2), 512)
+    assert relative_error(two[0], exact[0]) > 1e-3
+    assert shrinks_like_noise(two, exact[0]) < 0.2
+
+
+def test_log_softmax_then_nll_loss_is_unbiased():
+    def fn(x):
+        return F.nll_loss(F.log_softmax(x * 1.0, dim=-1), TARGET.clamp(min=0))
+
+    x = logits()
+    (exact,) = exact_grads(fn, (x,))
+    (two,) = input_grads(fn, (x,), level(2), 512)
+    assert shrinks_like_noise(two, exact[0]) < 0.2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_keeps_packed_probabilities_in_slices(dtype, monkeypatch):
+    monkeypatch.setattr(losses, "SLICE", 300 * 10)  # 10 rows a slice: 5 slices
+    x = logits(dtype)
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        out = F.cross_entropy(x * 1.0, TARGET)
+    out.backward()
+    assert st[0].exact == {} and "cross_entropy" in st[0].by_kind
+    assert st[0].packed >= 5
+    with torch.no_grad():
+        assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+
+
+def test_class_probability_targets_fall_back_to_pytorch():
+    x = logits()
+    target = torch.softmax(torch.randn(48, 300), -1)
+    fn = lambda t: F.cross_entropy(t * 1.0, target)  # noqa: E731
+    (exact,) = exact_grads(fn, (x,))
+    (got,) = input_grads(fn, (x,), level(2), 1)
+    assert torch.equal(got[0], exact[0])
