@@ -15,9 +15,9 @@ import argparse
 import json
 import statistics
 import time
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from rich.console import Console
 from rich.table import Table
 

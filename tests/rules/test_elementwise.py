@@ -11,7 +11,8 @@ from tests.rules.helpers import exact_grads, input_grads, level, relative_error,
 
 
 def gelu_new(x):  # GPT-2's activation, as Hugging Face writes it
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    c = math.sqrt(2.0 / math.pi)
+    return 0.5 * x * (1.0 + torch.tanh(c * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
 def rms_norm(x):  # Llama's RMSNorm, as Hugging Face writes it (weight 1)

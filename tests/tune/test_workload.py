@@ -207,7 +207,7 @@ def test_hugging_face_conventions_dict_inputs_and_the_outputs_own_loss(tmp_path)
 
 def test_an_output_without_a_loss_says_how_to_get_one(tmp_path):
     text = HF_STYLE.replace('"labels": ids, ', "")
-    with pytest.raises(WorkloadError, match="without a loss in it.*'labels': ids"):
+    with pytest.raises(WorkloadError, match=r"without a loss in it.*'labels': ids"):
         load(write(tmp_path, text)).check()
 
 
