@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -108,7 +109,7 @@ def _errors(debug: bool):
     except (WorkloadError, ProbeError, ValueError, _UsageError) as err:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {err}")
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}")  # ('[hf]' is no markup)
         raise typer.Exit(2) from None
 
 

@@ -74,20 +74,12 @@ class CompressionStats:
     def ratio(self) -> float:
         return self.saved_bytes / self.kept_bytes if self.kept_bytes else 1.0
 
-    def describe_exact(self, top: int = 4) -> str:
-        """``"kept exact: 80.0 MiB (scaled_dot_product_attention q/k 64.0, ...)"``."""
-        total = sum(self.exact.values()) + self.small_bytes
-        parts = sorted(self.exact.items(), key=lambda kv: -kv[1])
-        named = [f"{name} {_mib(b)}" for name, b in parts[:top]]
-        if len(parts) > top:
-            named.append(f"{len(parts) - top} more {_mib(sum(b for _, b in parts[top:]))}")
-        if self.small_bytes:
-            named.append(f"small tensors {_mib(self.small_bytes)}")
-        return f"kept exact: {_mib(total)} MiB" + (f" ({', '.join(named)})" if named else "")
+    def describe_exact(self) -> str:
+        """``"kept exact: 80.0 MiB (scaled_dot_product_attention q/k 64.0 MiB, ...)"``."""
+        from actune.report import describe_exact
 
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f}"
+        small = {"small tensors": self.small_bytes} if self.small_bytes else {}
+        return describe_exact({**self.exact, **small})
 
 
 def _is_parameter_like(t: torch.Tensor) -> bool:

@@ -39,6 +39,7 @@ class LevelResult:
     host_bytes: int = 0
     peak_parts: dict = field(default_factory=dict)  # parameters, gradients, optimizer, ...
     peak_at: str = ""  # phase and innermost module at the peak, e.g. "forward, layer1.2.bn3"
+    kept_exact: dict = field(default_factory=dict)  # bytes kept exact, by the op saving them
     samples_per_s: float | None = None
     probes: list[dict] = field(default_factory=list)
     complete: bool = True
@@ -113,6 +114,16 @@ def write_json(report: Report | dict, path: str | Path) -> None:
         raise
 
 
+def describe_exact(kept: dict, top: int = 3) -> str:
+    """``{"cross_entropy": 80 MiB, ...}`` -> ``"kept exact: 80.0 MiB (cross_entropy 80.0)"``."""
+    parts = sorted(kept.items(), key=lambda kv: -kv[1])
+    named = [f"{name} {human_bytes(b)}" for name, b in parts[:top]]
+    if len(parts) > top:
+        named.append(f"{len(parts) - top} more {human_bytes(sum(b for _, b in parts[top:]))}")
+    total = human_bytes(sum(kept.values()))
+    return f"kept exact: {total}" + (f" ({', '.join(named)})" if named else "")
+
+
 def _fmt_value(dim: str, value: float | None) -> str:
     if value is None:
         return "does not fit"
@@ -164,6 +175,8 @@ def render(report: Report, console: Console) -> None:
     places = [f"{r.level} {r.peak_at}" for r in report.levels if r.peak_at]
     if places:
         lines.append("peak at: " + "; ".join(places))
+    lines += [f"{r.level} {describe_exact(r.kept_exact)}" for r in report.levels
+              if sum(r.kept_exact.values()) >= 2**20]  # (under 1 MiB: not worth a line)
     if report.mode == "estimate":  # what the figures leave out
         lines.append(ESTIMATE_CAVEAT)
     elif report.device.startswith("CPU"):

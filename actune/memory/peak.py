@@ -18,7 +18,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from unittest import mock
 
 import torch
@@ -46,6 +46,9 @@ class Peak:
     saved_uncompressed: int  # what PyTorch would have held
     host: int = 0  # offloaded to host memory (L4/L5), not counted in ``total``
     where: str = ""  # the phase and innermost module at the peak, e.g. "forward, layer1.2.bn3"
+    # what stayed exact although compressed levels could pack it: bytes by the op that saved
+    # it ("small tensors": those under the level's min_numel)
+    kept_exact: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -272,6 +275,8 @@ def _peak(parts: dict, stats: list[CompressionStats], host: int, where: str = ""
         saved_uncompressed=saved_uncompressed,
         host=host,
         where=where,
+        kept_exact={**held.exact, **({"small tensors": held.small_bytes} if held.small_bytes
+                                      else {})} if held.packed else {},
     )
 
 

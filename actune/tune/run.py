@@ -75,6 +75,7 @@ def _fill(row: LevelResult, peak) -> None:
     row.peak_parts = {k: getattr(peak, k) for k in ("parameters", "gradients", "optimizer",
                                                      "activations", "temporaries", "other")}
     row.peak_at = peak.where
+    row.kept_exact = dict(peak.kept_exact)
 
 
 def _reporter(on_probe: Callable | None, level: Level) -> Callable[[Probe], None] | None:

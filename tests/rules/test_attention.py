@@ -91,7 +91,7 @@ def test_exact_q_k_are_named_in_the_statistics():
     with actune.compressed(actune.get_level("L3").with_(nonlinear_bits=None), stats=st.append):
         attention({})(*inputs).sum().backward()
     assert set(st[0].exact) == {"scaled_dot_product_attention q/k"}
-    assert "scaled_dot_product_attention q/k 0.1" in st[0].describe_exact()
+    assert "(scaled_dot_product_attention q/k 64.0 KiB)" in st[0].describe_exact()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -45,3 +45,31 @@ def test_a_pipe_is_written_in_place_not_replaced(tmp_path):
     reader.join(timeout=10)
     assert stat.S_ISFIFO(fifo.stat().st_mode)
     assert json.loads(got[0]) == {"c": 4}
+
+
+def test_what_stays_exact_is_named_under_the_table():
+    from rich.console import Console
+
+    from actune.report import LevelResult, Report, render
+
+    report = Report("maxbatch", "m", "CPU", 2**30, "given", "estimate", "batch")
+    report.levels = [LevelResult("L0", 8), LevelResult("L3", 64, kept_exact={
+        "cross_entropy": 80 * 2**20, "(saved outside any op)": 3 * 2**20, "small tensors": 5})]
+    console = Console(record=True, width=200)
+    render(report, console)
+    text = " ".join(console.export_text().split())  # (the caption wraps at the table's width)
+    assert "L3 kept exact: 83.0 MiB (cross_entropy 80.0 MiB, (saved outside any op) 3.0 MiB, " \
+           "small tensors 5 B)" in text
+    assert "L0 kept exact" not in text
+
+
+def test_error_messages_with_brackets_print_as_written(tmp_path):
+    from typer.testing import CliRunner
+
+    from actune.cli import app
+
+    path = tmp_path / "needs_hf.py"
+    path.write_text("raise ImportError(\"needs transformers: pip install 'actune[hf]'\")\n")
+    result = CliRunner().invoke(app, ["maxbatch", str(path)])
+    assert result.exit_code == 2
+    assert "pip install 'actune[hf]'" in result.output
