@@ -4,9 +4,9 @@ A compressed counterpart is a subclass of the layer's own class whose ``forward`
 original ``forward`` inside :func:`actune.compressed` at the model's level. Converting swaps
 ``module.__class__`` only: weights, buffers, running statistics, ``requires_grad`` flags, hooks,
 train/eval mode, device and dtype are the very same objects, so ``state_dict()`` keys and
-checkpoints are unchanged both ways. Pooling by average saves nothing large and is never
-substituted (ActNN replaced AvgPool with MaxPool); other modules are left as they are, with the
-reason in :func:`summary`.
+checkpoints are unchanged both ways. Pooling by average is never substituted (ActNN replaced
+AvgPool with MaxPool): under the model's level it keeps nothing at all. Other modules are left
+as they are, with the reason in :func:`summary`.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ _SUPPORTED: dict[type[nn.Module], str] = {
     nn.Embedding: "indices only (nothing large)",
 }
 _KEPT_EXACT: dict[type[nn.Module], str] = {
-    **{cls: "saves nothing large: kept exact, never substituted" for cls in (
+    **{cls: "keeps nothing under compressed(): backward needs only the input's shape (never "
+            "substituted by max pooling)" for cls in (
         nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-        nn.AdaptiveAvgPool3d, nn.Flatten, nn.Identity)},
+        nn.AdaptiveAvgPool3d)},
+    **{cls: "saves nothing" for cls in (nn.Flatten, nn.Identity)},
     nn.MaxPool1d: "1-d max pooling keeps PyTorch's own indices",
 }
 _COUNTERPARTS: dict[type[nn.Module], type[nn.Module]] = {}

@@ -273,15 +273,18 @@ class SavedDerivative(torch.autograd.Function):
 
     A derivative of the input alone (GELU, SiLU) is computed and packed before ``y`` exists,
     in chunks for large inputs, so ``x``, ``y`` and ``f'(x)`` are never alive in full together
-    (nor the temporaries of ``f'``)."""
+    (nor the temporaries of ``f'``). With ``inplace`` (an input derivative only) ``fn`` writes
+    its result over ``x``, as ``SiLU(inplace=True)`` does."""
 
     @staticmethod
-    def forward(ctx, x, fn, derivative, bits, session, of_input):
+    def forward(ctx, x, fn, derivative, bits, session, of_input, inplace=False):
         # (forward runs without gradient recording: the derivative is a plain tensor)
         y = None if of_input else fn(x)
         d = in_chunks(derivative, x) if of_input else derivative(x, y)
         ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
         del d  # packed: freed before the output of an input-only derivative exists
+        if inplace:
+            ctx.mark_dirty(x)
         return fn(x) if y is None else y
 
     @staticmethod
@@ -289,7 +292,7 @@ class SavedDerivative(torch.autograd.Function):
         check_double_backward()
         d = take(ctx, "d").fresh()
         out = d.mul_(grad) if d.dtype == grad.dtype else grad * d  # in place: one tensor less
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 def in_chunks(derivative, x: torch.Tensor, pieces: int = 8) -> torch.Tensor:

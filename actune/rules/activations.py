@@ -47,8 +47,13 @@ def gelu(s, func, args, kwargs, level):
 @register((F.silu,), "activation", None, _DERIVATIVE)
 def silu(s, func, args, kwargs, level):
     x = args[0]
-    if not compressible(x, level) or arg(args, kwargs, 1, "inplace", False):
+    if not compressible(x, level):
         return None
+    if arg(args, kwargs, 1, "inplace", False):
+        if x.is_leaf or x._base is not None:
+            return None  # a leaf or a view written in place: PyTorch's own (its errors)
+        return SavedDerivative.apply(x, lambda t: F.silu(t, inplace=True), silu_derivative,
+                                     level.other_bits, s, True, True)
     return SavedDerivative.apply(x, F.silu, silu_derivative, level.other_bits, s, True)
 
 

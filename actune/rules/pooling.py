@@ -1,14 +1,53 @@
 """Pooling: max pooling keeps each output's argmax as a one-byte offset in its window (exact),
-not int64 input indices and not its input. Average pooling saves nothing large (no rule)."""
+not int64 input indices and not its input. Average pooling is linear and its backward needs
+only the input's shape, yet PyTorch's keeps the whole input: :class:`ShapeOnlyPool` keeps
+nothing."""
 
 from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F  # noqa: N812
 
 from actune.rules import register
+from actune.saved import check_double_backward
 from actune.substitutes import OffsetMaxPool, arg, as_tuple
+
+_AVERAGES = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
+             F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
+
+
+@register(_AVERAGES, "pooling", None, "nothing: a linear op, backward needs only the shape")
+def average_pool(s, func, args, kwargs, level):
+    x = args[0]
+    if level.exact or not x.is_floating_point() or x.numel() < level.min_numel:
+        return None
+    return ShapeOnlyPool.apply(x, func, args[1:], kwargs)
+
+
+class ShapeOnlyPool(torch.autograd.Function):
+    """A linear pooling op whose backward is its vector-Jacobian product at zeros: the same
+    for every input, so nothing of the input is kept."""
+
+    @staticmethod
+    def forward(ctx, x, func, rest, kwargs):
+        ctx.spec = (func, rest, kwargs, x.shape, x.dtype, x.device)
+        return func(x, *rest, **kwargs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        func, rest, kwargs, shape, dtype, device = ctx.spec
+        zeros = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            out = func(zeros, *rest, **kwargs)
+        (gx,) = torch.autograd.grad(out, zeros, grad)
+        return gx, None, None, None
+
+
+def _same(t):
+    return t
 
 _DIMS = {F.max_pool2d: 2, F.max_pool3d: 3}  # 1-d keeps PyTorch's own (exact) indices
 
