@@ -11,7 +11,9 @@
 # 5. bench L0-L5 on ResNet-50 (batch 64, 224x224);
 # 6. actune maxbatch --mode measure at L3 and L0 on ResNet-50 under 16 GiB (real OOMs,
 #    subprocess probes; L3 first: each finished level is written at once);
-# 7. training on digits at L0, u2, L3 and 1.25 bits on the GPU.
+# 7. training on digits at L0, u2, L3 and 1.25 bits on the GPU;
+# 8. attention's rule on every CUDA SDPA backend (math, flash, memory-efficient, cuDNN) in
+#    float32 and bfloat16, and Hugging Face GPT-2 small at L0 and L3 (scripts/gpu_transformers.py).
 # Runs from a checkout without installing: PYTHONPATH points at it, PYTHON (default python3)
 # is the interpreter that holds torch.
 set -uo pipefail
@@ -82,12 +84,13 @@ export -f actune env_report kernels estimate_vs_measured
 export PY
 section environment 30 env_report
 section kernels 70 kernels
-section profile 45 "$PY" scripts/gpu_profile.py
+section profile 40 "$PY" scripts/gpu_profile.py
 section estimate_vs_measured 90 estimate_vs_measured
 section bench 110 actune bench --model resnet50 --resolution 224 --batch 64 --levels L0-L5 \
     --steps 5 --warmup 2 --json "$out/bench.json"
 section maxbatch_measure 100 actune maxbatch --model resnet50 --levels L3,L0 --mode measure \
     --budget 16GiB --json "$out/maxbatch_measure.json"
-section train 35 actune train --device cuda --levels L0,u2,L3,1.25b --epochs 3 \
+section train 30 actune train --device cuda --levels L0,u2,L3,1.25b --epochs 3 \
     --json "$out/train.json"
+section transformers 45 "$PY" scripts/gpu_transformers.py --device cuda
 echo "done after $SECONDS s" | tee -a "$log"

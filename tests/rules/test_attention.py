@@ -108,3 +108,22 @@ def test_autocast(dtype):
 
     exact = step("L0")
     assert relative_error(step(level(8, nonlinear_bits=8)), exact) < 0.05
+
+
+@pytest.mark.parametrize("backend", ["MATH", "FLASH_ATTENTION"])
+def test_every_cpu_backend(backend):
+    """The CPU build picks the math or the flash kernel; both go through the rule (the CUDA
+    backends are checked by scripts/gpu_check.sh)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    inputs = qkv()
+    fn = attention({"is_causal": True})
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        exact = exact_grads(fn, inputs)
+        got = input_grads(fn, inputs, level(8, nonlinear_bits=8), 1)
+        st = []
+        with actune.compressed("L3", stats=st.append):
+            fn(*inputs).sum().backward()
+    for g, e in zip(got, exact, strict=True):
+        assert relative_error(g[0], e[0]) < 0.02
+    assert st[0].exact == {}

@@ -27,7 +27,7 @@ def test_a_cnn_of_every_converted_layer_kind_keeps_nothing_large_exact():
     model = every_layer_kind()
     x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     counted = []
-    with actune.compressed(actune.get_level("L0").with_(name="count", masks=True),
+    with actune.compressed("L0",
                            stats=counted.append):
         model(x).sum().backward()
     actune.compress(model, "u2")
