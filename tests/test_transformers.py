@@ -10,11 +10,10 @@ import time
 import pytest
 import torch
 import torch.utils.checkpoint as checkpoint
+import transformers  # in the test extra
 from torch import nn
 
 import actune
-
-transformers = pytest.importorskip("transformers")  # in the test extra: CI always has it
 
 
 def gpt2(layers=2, width=64, vocab=500, dropout=0.0, seed=0):

@@ -215,7 +215,6 @@ def test_an_output_without_a_loss_says_how_to_get_one(tmp_path):
 def test_the_hugging_face_example_files_dry_run(name):
     from pathlib import Path
 
-    pytest.importorskip("transformers")  # in the test extra: CI always has it
     wl = load(Path(__file__).parents[2] / "docs" / "examples" / f"{name}.py")
     assert set(wl.dims) == {"depth", "width", "resolution"}
     small = {"depth": 0.0625, "width": 0.125, "resolution": 16}
