@@ -69,7 +69,7 @@ class FunctionMode(TorchFunctionMode):
         finally:
             touched, s.touched = s.touched, outer
         first = _first_tensor(out)
-        if first is not None and (touched or func in _MATMULS):
+        if first is not None and (touched or func in _MATMULS or func is F.embedding):
             self._watch(ap, touched, first, func, args, kwargs)
         if ap.tracking:
             ap.track(first)
@@ -107,13 +107,16 @@ class FunctionMode(TorchFunctionMode):
         ``fan_in * mean(x**2) * |grad|**2``, is what noise relayed from above it perturbs. An
         elementwise op's noise enters the gradient of its input and is relayed to every weight
         gradient below it (a norm's noise relative to its input's spread, hence ``1 / var``)."""
-        x = args[0]
+        x = _operand(func, args)
         if func in _MATMULS:
             fan = _fan_in(func, args, kwargs)
             size = (x.detach().float().square().mean() * fan
                     if isinstance(x, torch.Tensor) and x.is_floating_point() else None)
             ap.watch(touched, out, fan, relayed=False, size=size)
             self.s.last_matmul = (weakref.ref(out), func, args, kwargs)
+            return
+        if func is F.embedding:  # its weight gradient is the output gradient, scattered
+            ap.watch(touched, out, 1.0, relayed=False, size=torch.ones((), device=out.device))
             return
         if func in _NORMS and isinstance(x, torch.Tensor) and x.dim() >= 2:
             dims = (0, *range(2, x.dim())) if func is F.batch_norm else (x.dim() - 1,)
@@ -198,9 +201,22 @@ def _fan_in(func, args, kwargs) -> float:
                                              as_tuple(padding, n), dilation, strict=True):
                     fan *= _inside_share(int(size), int(k), int(st), int(p), int(d))
         return fan
-    if func in _MATMULS and isinstance(args[0], torch.Tensor) and args[0].dim():
-        return int(args[0].shape[-1])
+    x = _operand(func, args)
+    if func in _MATMULS and isinstance(x, torch.Tensor) and x.dim():
+        return int(x.shape[-1])
     return 1
+
+
+#: Matmuls whose first argument is the term added (GPT-2's ``Conv1D`` is an ``addmm``): the
+#: activation is the second.
+_ADDED_FIRST = frozenset({torch.addmm, torch.baddbmm, torch.addbmm, torch.Tensor.addmm,
+                          torch.Tensor.baddbmm})
+
+
+def _operand(func, args):
+    """The activation a call reads first: its first argument, or the second for
+    ``addmm``-like calls (``bias + x @ w``)."""
+    return args[1] if func in _ADDED_FIRST and len(args) > 1 else args[0]
 
 
 def _first_tensor(out) -> torch.Tensor | None:
