@@ -325,3 +325,38 @@ def test_named_samples_cut_the_variance_of_a_trained_model():
            for r in measure(kept["model"], data, [get_level("u2"), get_level("L3")], repeats=8,
                             draws=2, per_sample=True, sensitivity=kept["ap"].sensitivity)}
     assert res["u2"] / res["L3"] > 2.0, res  # measured 4.5x; per tensor only: 0.96x
+
+
+class _AddmmMLP(torch.nn.Module):
+    """GPT-2's way of writing linear layers (``Conv1D``: ``addmm(bias, x, w)``), zero biases
+    as at its initialisation, with an embedding, a layer norm and an inline GELU."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(100, dim)
+        self.w1 = torch.nn.Parameter(torch.randn(dim, 4 * dim) / dim**0.5)
+        self.b1 = torch.nn.Parameter(torch.zeros(4 * dim))
+        self.w2 = torch.nn.Parameter(torch.randn(4 * dim, dim) / (4 * dim) ** 0.5)
+        self.b2 = torch.nn.Parameter(torch.zeros(dim))
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, ids):
+        h = self.norm(self.emb(ids))
+        flat = h.view(-1, h.shape[-1])
+        a = torch.addmm(self.b1, flat, self.w1)
+        a = 0.5 * a * (1.0 + torch.tanh(0.79788456 * (a + 0.044715 * torch.pow(a, 3.0))))
+        return torch.addmm(self.b2, a, self.w2).view(*h.shape).square().mean()
+
+
+def test_every_allocated_slot_of_an_addmm_model_has_a_cost():
+    """An addmm's activation is its second argument: measured from the (zero) bias, every
+    weight gradient looked size 0 and the norm and GELU above got 1 bit, unmeasured."""
+    model = actune.compress(_AddmmMLP(), "L3")
+    ids = torch.randint(0, 100, (8, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # a statistics step, then the allocation
+        model.zero_grad()
+        model(ids).backward()
+    rows = actune.autoprec_of(model).rows()
+    assert len(rows) >= 5
+    assert all(r["cost"] > 0 for r in rows), [(r["shape"], r["cost"]) for r in rows]

@@ -190,3 +190,25 @@ def test_fsdp2_trains_a_compressed_transformer_and_ranks_stay_in_sync():
         opt.step()
     ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert rel(a - start, ref - start) < 0.05
+
+
+def test_numerics_on_real_text_with_the_hugging_face_example():
+    """`actune numerics docs/examples/hf_text.py`: per-layer bias and variance of a byte-level
+    GPT-2 on pydoc_data.topics (the example's make_dataset and loss_fn)."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from actune.cli import app
+
+    path = Path(__file__).parents[1] / "docs" / "examples" / "hf_text.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "n.json")
+        result = CliRunner().invoke(app, ["numerics", str(path), "--levels", "L3", "--batch",
+                                          "4", "--repeats", "2", "--draws", "2", "--per-tensor",
+                                          "--json", out])
+        assert result.exit_code == 0, result.output
+        level = json.loads(Path(out).read_text())["levels"][0]
+    assert level["level"] == "L3" and level["sgd_variance"] > 0
+    assert 0 < level["quant_variance"] < level["sgd_variance"]

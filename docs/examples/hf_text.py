@@ -10,9 +10,10 @@ computes the next-byte loss from its logits. Needs ``pip install 'actune[hf]'``.
     actune numerics docs/examples/hf_text.py --levels L2,L3 --batch 16
 """
 
+from pydoc_data.topics import topics
+
 import torch
 import torch.nn.functional as F  # noqa: N812
-from pydoc_data.topics import topics
 
 try:
     from transformers import GPT2Config, GPT2LMHeadModel
