@@ -1,0 +1,58 @@
+"""Mask rules: ReLU, ReLU6, hardtanh, leaky ReLU and clamp give PyTorch's gradients exactly
+at every width; their saved state is a mask or a zero-exact packed output."""
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def check(fn, make, dtype, exact_only=False, shape=(16, 64), tolerance=0.03):
+    x = make(torch.randn(shape, generator=torch.Generator().manual_seed(0))).to(dtype)
+    x.requires_grad_()
+    (exact,) = exact_grads(fn, (x,))
+    (eight,) = input_grads(fn, (x,), level(8), 1)
+    tolerance = tolerance if dtype == torch.float32 else 0.08
+    assert relative_error(eight[0].float(), exact[0].float()) < tolerance
+    if dtype != torch.float32:
+        return
+    (two,) = input_grads(fn, (x,), level(2), 256)
+    if exact_only:
+        assert torch.equal(two[0], exact[0]) and torch.equal(two[-1], exact[0])
+        return
+    assert relative_error(two[0], exact[0]) > 1e-3  # it was rounded
+    assert shrinks_like_noise(two, exact[0], small=8, large=256) < 0.25
+
+
+OPS = {
+    "relu": lambda t: F.relu(t * 1.0),
+    "relu_inplace": lambda t: torch.relu_(t * 1.0),
+    "relu6": lambda t: F.relu6(t * 3.0),
+    "hardtanh": lambda t: F.hardtanh(t * 1.0, -0.5, 0.7),
+    "leaky_relu": lambda t: F.leaky_relu(t * 1.0, 0.2),
+    "clamp": lambda t: (t * 1.0).clamp(min=-0.3),
+    "clip": lambda t: torch.clip(t * 1.0, -0.3, 0.4),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(OPS))
+def test_mask_rule(op, dtype):
+    check(OPS[op], lambda t: t, dtype, exact_only=True)
+
+
+def test_dropout_mask_is_exact_and_one_bit():
+    import actune
+
+    x = torch.randn(64, 64, requires_grad=True)
+    torch.manual_seed(3)
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        y = F.dropout(x * 1.0, 0.3)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    keep = y != 0
+    assert torch.equal(g, keep.float() / 0.7)
+    assert st[0].by_kind.get("mask", 0) <= 64 * 64 / 8 + 64
