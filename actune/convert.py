@@ -197,6 +197,7 @@ def autoprec_of(model: nn.Module) -> AutoPrecision | None:
 def summary(model: nn.Module) -> list[ConversionRow]:
     """What each leaf module is and keeps for backward: converted or left as is, and why."""
     rows = []
+    root = model.__dict__.get(_ROOT_LEVEL_ATTR)
     for name, module in model.named_modules():
         if next(module.children(), None) is not None:
             continue  # containers: their leaves are listed
@@ -208,6 +209,9 @@ def summary(model: nn.Module) -> list[ConversionRow]:
             keeps = "not converted (compress() was not called on it, or level L0)"
         elif base in _KEPT_EXACT:
             keeps = _KEPT_EXACT[base]
+        elif root is not None:
+            keeps = (f"no counterpart: its calls follow actune's rules at {root.name} (the "
+                     f"model's whole forward runs under its level)")
         else:
             keeps = ("left as is: no compressed counterpart; actune.compressed() covers its "
                      "functional calls")
