@@ -4,7 +4,7 @@ For each backend the device's build offers (CUDA: math, flash, memory-efficient,
 math, flash), in float32 and bfloat16: the gradients of q, k and v through
 ``F.scaled_dot_product_attention`` (causal, and with a boolean mask where the backend takes
 one) at 8 bits against PyTorch's exact ones, and whether anything large stayed exact. Then
-GPT-2 (``GPT2Config()`` shape, ``--layers`` layers) at batch ``--batch`` x 512 tokens: samples/s
+GPT-2 (``GPT2Config()`` shape, ``--layers`` layers) at batch ``--batch`` x ``--tokens``: samples/s
 and saved bytes at L0 and L3, alternated steps.
 
     python scripts/gpu_transformers.py [--device cuda] [--layers 12] [--batch 8]
@@ -59,10 +59,10 @@ def backends(device: str, dtype: torch.dtype, seq: int) -> list[str]:
     return lines
 
 
-def gpt2_steps(device: str, layers: int, batch: int, steps: int) -> list[str]:
+def gpt2_steps(device: str, layers: int, batch: int, steps: int, tokens: int) -> list[str]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    ids = torch.randint(0, 50257, (batch, 512), device=device)
+    ids = torch.randint(0, 50257, (batch, tokens), device=device)
     states = {}
     for level in ("L0", "L3"):
         torch.manual_seed(0)
@@ -93,9 +93,9 @@ def gpt2_steps(device: str, layers: int, batch: int, steps: int) -> list[str]:
     lines = []
     for level, t in times.items():
         sps, st = batch / statistics.median(t), states[level][2][-1]
-        lines.append(f"GPT-2 {layers} layers, batch {batch} x 512, {level}: {sps:.1f} samples/s "
-                     f"({sps / base:.2f}x L0), saved {st.saved_bytes / 2**20:,.0f} MiB, kept "
-                     f"{st.kept_bytes / 2**20:,.0f} MiB")
+        lines.append(f"GPT-2 {layers} layers, batch {batch} x {tokens}, {level}: {sps:.1f} "
+                     f"samples/s ({sps / base:.2f}x L0), saved {st.saved_bytes / 2**20:,.0f} "
+                     f"MiB, kept {st.kept_bytes / 2**20:,.0f} MiB")
     return lines
 
 
@@ -105,12 +105,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=256, help="attention's sequence length")
+    parser.add_argument("--tokens", type=int, default=512, help="GPT-2's sequence length")
     args = parser.parse_args()
     for dtype in (torch.float32, torch.bfloat16):
         for line in backends(args.device, dtype, args.seq):
             print(line, flush=True)
-    for line in gpt2_steps(args.device, args.layers, args.batch, args.steps):
+    for line in gpt2_steps(args.device, args.layers, args.batch, args.steps, args.tokens):
         print(line, flush=True)
 
 

@@ -9,7 +9,7 @@ import actune
 from actune.rules import losses
 from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
 
-TARGET = torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(1))
+TARGET = torch.randint(0, 300, (32,), generator=torch.Generator().manual_seed(1))
 TARGET[::7] = -100  # ignored rows
 WEIGHT = torch.rand(300, generator=torch.Generator().manual_seed(2)) + 0.5
 
@@ -29,7 +29,7 @@ def loss(kwargs):
 
 
 def logits(dtype=torch.float32):
-    x = torch.randn(48, 300, generator=torch.Generator().manual_seed(0)) * 3
+    x = torch.randn(32, 300, generator=torch.Generator().manual_seed(0)) * 3
     return x.to(dtype).requires_grad_()
 
 
@@ -45,9 +45,9 @@ def test_value_is_pytorchs_and_gradient_unbiased(case):
     (exact,) = exact_grads(fn, (x,))
     (eight,) = input_grads(fn, (x,), level(8), 1)
     assert relative_error(eight[0], exact[0]) < 0.02
-    (two,) = input_grads(fn, (x,), level(2), 512)
+    (two,) = input_grads(fn, (x,), level(2), 256)
     assert relative_error(two[0], exact[0]) > 1e-3
-    assert shrinks_like_noise(two, exact[0]) < 0.2
+    assert shrinks_like_noise(two, exact[0], large=256) < 0.25  # unbiased: about 0.18
 
 
 def test_log_softmax_then_nll_loss_is_unbiased():
@@ -56,27 +56,27 @@ def test_log_softmax_then_nll_loss_is_unbiased():
 
     x = logits()
     (exact,) = exact_grads(fn, (x,))
-    (two,) = input_grads(fn, (x,), level(2), 512)
-    assert shrinks_like_noise(two, exact[0]) < 0.2
+    (two,) = input_grads(fn, (x,), level(2), 256)
+    assert shrinks_like_noise(two, exact[0], large=256) < 0.25
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_keeps_packed_probabilities_in_slices(dtype, monkeypatch):
-    monkeypatch.setattr(losses, "SLICE", 300 * 10)  # 10 rows a slice: 5 slices
+    monkeypatch.setattr(losses, "SLICE", 300 * 6)  # 6 rows a slice: 6 slices
     x = logits(dtype)
     st = []
     with actune.compressed("L3", stats=st.append):
         out = F.cross_entropy(x * 1.0, TARGET)
     out.backward()
     assert st[0].exact == {} and "cross_entropy" in st[0].by_kind
-    assert st[0].packed >= 5
+    assert st[0].packed >= 6
     with torch.no_grad():
         assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
 
 
 def test_class_probability_targets_fall_back_to_pytorch():
     x = logits()
-    target = torch.softmax(torch.randn(48, 300), -1)
+    target = torch.softmax(torch.randn(32, 300), -1)
     fn = lambda t: F.cross_entropy(t * 1.0, target)  # noqa: E731
     (exact,) = exact_grads(fn, (x,))
     (got,) = input_grads(fn, (x,), level(2), 1)
