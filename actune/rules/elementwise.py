@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune.rules import register
 from actune.rules.activations import compressible
+from actune.saved import check_double_backward, take
 from actune.substitutes import SavedDerivative, arg
 
 register((torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
@@ -54,9 +55,28 @@ _derivative_rule((torch.sin, torch.Tensor.sin), torch.sin, lambda x, _y: x.cos()
 _derivative_rule((torch.cos, torch.Tensor.cos), torch.cos, lambda x, _y: x.sin().neg_(), True)
 
 
+class CubeTwoCopies(torch.autograd.Function):
+    """``x ** 3`` keeping two independently rounded copies of ``x``: the backward
+    ``3 g x1 x2`` is unbiased (the copies' noises are independent), and each copy spans the
+    range of ``x``, where one rounded ``3 x^2`` would span the square of its outliers."""
+
+    @staticmethod
+    def forward(ctx, x, bits, session):
+        ctx.x1 = session.pack_value(x, bits, "derivative", replaces=(x,))
+        ctx.x2 = session.pack_value(x, bits, "derivative")
+        return x.pow(3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        x1 = take(ctx, "x1").fresh()
+        x2 = take(ctx, "x2").get()
+        return x1.mul_(x2).mul_(grad).mul_(3), None, None
+
+
 @register((torch.pow, torch.Tensor.pow, torch.Tensor.__pow__), "elementwise", None,
-          "x ** 2: input rounded at other bits (backward linear in it); other constant "
-          "exponents: derivative rounded")
+          "x ** 2: input rounded at other bits (backward linear in it); x ** 3: two rounded "
+          "copies of x; other constant exponents: derivative rounded")
 def power(s, func, args, kwargs, level):
     x, p = args[0], arg(args, kwargs, 1, "exponent", None)
     if (kwargs or not compressible(x, level) or not isinstance(p, numbers.Real)
@@ -64,6 +84,8 @@ def power(s, func, args, kwargs, level):
         return None  # a tensor exponent or base: PyTorch's own (exact)
     if p == 2:
         return s.run_as("other", func, args, kwargs)
+    if p == 3:  # GPT-2's gelu_new: 3 x^2 from two copies of x, not x^2 at one's width
+        return CubeTwoCopies.apply(x, level.other_bits, s)
     p = float(p)
     return SavedDerivative.apply(x, lambda t: t.pow(p), lambda t, _y: t.pow(p - 1).mul_(p),
                                  level.other_bits, s, True)
