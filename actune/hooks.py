@@ -39,7 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level, get_level
-from actune.mode import FunctionMode
+from actune.mode import FunctionMode, top_hooks
 from actune.quant import PackedMask, pack_mask, quantize, quantize_samples
 from actune.rules import op_name
 from actune.saved import Saved
@@ -369,7 +369,7 @@ _APPLY = torch.autograd.Function.apply.__func__.__code__
 
 def _checkpoint_saving() -> bool:
     """Are torch.utils.checkpoint's saved-tensor hooks the innermost ones?"""
-    top = _top_hooks(False)
+    top = top_hooks(False)
     return top is not None and getattr(top[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS)
 
 
@@ -390,7 +390,6 @@ def _saved_by_checkpoint() -> bool:
     return False
 
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _local = threading.local()
 
 

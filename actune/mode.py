@@ -30,7 +30,8 @@ __all__ = ["FunctionMode"]
 
 _MATMULS = funcs_of("matmul")
 _NORMS = funcs_of("norm")
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+#: The innermost saved-tensor hooks (pack, unpack), or None.
+top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _needs_grad(*tensors) -> bool:
@@ -53,7 +54,7 @@ class FunctionMode(TorchFunctionMode):
         if not args or not _needs_grad(*args, *kwargs.values()):
             return func(*args, **kwargs)
         s = self.s
-        top = _top_hooks(False)
+        top = top_hooks(False)
         if top is None or top[0] is not s.hook:  # a checkpointed region, save_on_cpu...
             return func(*args, **kwargs)
         ap = s.allocator()

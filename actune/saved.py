@@ -26,7 +26,8 @@ from actune.quant import (
     unpack_mask,
 )
 
-__all__ = ["DoubleBackwardError", "Saved", "check_double_backward", "simulated_offload", "take"]
+__all__ = ["DoubleBackwardError", "Saved", "check_double_backward", "plain_saving",
+           "simulated_offload", "take"]
 
 
 class DoubleBackwardError(RuntimeError):
@@ -182,6 +183,16 @@ def _to_device(p, device: torch.device, pin: bool = False):
         return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta),
                                    row_bits=move(p.row_bits), row_offset=move(p.row_offset))
     return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta))
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def plain_saving():
+    """Saved-tensor hooks that keep tensors as they are, above actune's: for a recomputation
+    inside a substituted function's backward (PyTorch saves as it would, nothing is routed)."""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 
 def check_double_backward() -> None:

@@ -6,7 +6,6 @@ import io
 import math
 import os
 import tempfile
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import actune
 from actune import zoo
 from actune.convert import compress, decompress, is_compressed, summary
 from actune.levels import LEVELS, Level, get_level, parse_levels
+from tests.distributed import run_ranks
 
 
 def small_cnn() -> nn.Module:
@@ -428,14 +428,7 @@ def _ddp_worker(rank: int, world: int, path: str, out: str) -> None:
 def test_distributed_data_parallel_ranks_stay_in_sync():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "params.pt")
-        ctx = torch.multiprocessing.spawn(_ddp_worker, nprocs=2, join=False,
-                                          args=(2, os.path.join(tmp, "init"), out))
-        deadline = time.monotonic() + 120
-        while not ctx.join(timeout=1):  # a hung rank fails the test instead of the suite
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail("distributed workers did not finish within 120 s")
+        run_ranks(_ddp_worker, (2, os.path.join(tmp, "init"), out), seconds=120)
         a, b = torch.load(out)
     assert torch.equal(a, b)
     assert not torch.equal(a, torch.cat([p.reshape(-1) for p in zoo.TinyCNN().parameters()]))

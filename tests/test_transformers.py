@@ -5,7 +5,6 @@ import copy
 import datetime
 import os
 import tempfile
-import time
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import transformers  # in the test extra
 from torch import nn
 
 import actune
+from tests.distributed import run_ranks
 
 
 def gpt2(layers=2, width=64, vocab=500, dropout=0.0, seed=0):
@@ -169,14 +169,7 @@ def _fsdp_worker(rank: int, world: int, path: str, out: str) -> None:
 def test_fsdp2_trains_a_compressed_transformer_and_ranks_stay_in_sync():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "params.pt")
-        ctx = torch.multiprocessing.spawn(_fsdp_worker, nprocs=2, join=False,
-                                          args=(2, os.path.join(tmp, "init"), out))
-        deadline = time.monotonic() + 180
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail("FSDP workers did not finish within 180 s")
+        run_ranks(_fsdp_worker, (2, os.path.join(tmp, "init"), out), seconds=180)
         a, b = torch.load(out)
     assert torch.equal(a, b)
     start = torch.cat([p.reshape(-1) for p in gpt2().parameters()])

@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune.rules import register
 from actune.rules.activations import compressible
-from actune.saved import Saved, check_double_backward, take
+from actune.saved import Saved, check_double_backward, plain_saving, take
 from actune.substitutes import arg
 
 _LABEL = "scaled_dot_product_attention q/k"
@@ -75,8 +75,7 @@ class RecomputedAttention(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         inputs = [_value(take(ctx, name)).detach().requires_grad_(need)
                   for name, need in zip("qkv", needs, strict=True)]
-        with torch.enable_grad(), _replayed(ctx), torch.autograd.graph.saved_tensors_hooks(
-                _same, _same):  # PyTorch's own saving for the recomputation, nothing routed
+        with torch.enable_grad(), _replayed(ctx), plain_saving():
             out = _sdpa(*inputs, ctx.options)
         wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
         found = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
@@ -85,10 +84,6 @@ class RecomputedAttention(torch.autograd.Function):
 
 def _value(saved) -> torch.Tensor:
     return saved.get() if isinstance(saved, Saved) else saved
-
-
-def _same(t):
-    return t
 
 
 def _rng_state(device: torch.device):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from actune.rules import register
-from actune.saved import check_double_backward
+from actune.saved import check_double_backward, plain_saving
 from actune.substitutes import OffsetMaxPool, arg, as_tuple
 
 _AVERAGES = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
@@ -40,14 +40,10 @@ class ShapeOnlyPool(torch.autograd.Function):
         check_double_backward()
         func, rest, kwargs, shape, dtype, device = ctx.spec
         zeros = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        with torch.enable_grad(), plain_saving():
             out = func(zeros, *rest, **kwargs)
         (gx,) = torch.autograd.grad(out, zeros, grad)
         return gx, None, None, None
-
-
-def _same(t):
-    return t
 
 _DIMS = {F.max_pool2d: 2, F.max_pool3d: 3}  # 1-d keeps PyTorch's own (exact) indices
 

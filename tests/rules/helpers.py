@@ -42,3 +42,25 @@ def shrinks_like_noise(samples: torch.Tensor, exact: torch.Tensor, small=8, larg
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def check_rule(fn, make, dtype, exact_only=False, shape=(16, 64), tolerance=0.03):
+    """A unary rule at 8 bits: close to PyTorch's gradient (``tolerance`` in float32); in
+    float32 at 2 bits: rounded and unbiased (or, ``exact_only``, PyTorch's exactly)."""
+    x = make(torch.randn(shape, generator=torch.Generator().manual_seed(0))).to(dtype)
+    x.requires_grad_()
+    (exact,) = exact_grads(fn, (x,))
+    (eight,) = input_grads(fn, (x,), level(8), 1)
+    tolerance = tolerance if dtype == torch.float32 else 0.08
+    assert relative_error(eight[0].float(), exact[0].float()) < tolerance
+    if dtype != torch.float32:
+        return
+    (two,) = input_grads(fn, (x,), level(2), 256)
+    if exact_only:
+        assert torch.equal(two[0], exact[0]) and torch.equal(two[-1], exact[0])
+        return
+    assert relative_error(two[0], exact[0]) > 1e-3  # it was rounded
+    assert shrinks_like_noise(two, exact[0], small=8, large=256) < 0.25

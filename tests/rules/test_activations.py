@@ -6,27 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
-
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def check(fn, make, dtype, exact_only=False, shape=(16, 64), tolerance=0.03):
-    x = make(torch.randn(shape, generator=torch.Generator().manual_seed(0))).to(dtype)
-    x.requires_grad_()
-    (exact,) = exact_grads(fn, (x,))
-    (eight,) = input_grads(fn, (x,), level(8), 1)
-    tolerance = tolerance if dtype == torch.float32 else 0.08
-    assert relative_error(eight[0].float(), exact[0].float()) < tolerance
-    if dtype != torch.float32:
-        return
-    (two,) = input_grads(fn, (x,), level(2), 256)
-    if exact_only:
-        assert torch.equal(two[0], exact[0]) and torch.equal(two[-1], exact[0])
-        return
-    assert relative_error(two[0], exact[0]) > 1e-3  # it was rounded
-    assert shrinks_like_noise(two, exact[0], small=8, large=256) < 0.25
-
+from tests.rules.helpers import DTYPES, check_rule
 
 OPS = {
     "gelu": F.gelu,
@@ -44,4 +24,4 @@ OPS = {
 @pytest.mark.parametrize("op", list(OPS))
 def test_activation_rule(op, dtype):
     # softmax: tiny probabilities, 8-bit steps of their group's range (4% measured)
-    check(OPS[op], lambda t: t * 2, dtype, tolerance=0.06 if "softmax" in op else 0.03)
+    check_rule(OPS[op], lambda t: t * 2, dtype, tolerance=0.06 if "softmax" in op else 0.03)
