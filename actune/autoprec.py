@@ -333,7 +333,7 @@ class AutoPrecision:
     def watch(self, slots: Sequence[int], output: torch.Tensor,
               factor: float | torch.Tensor, *, relayed: bool,
               size: torch.Tensor | None = None,
-              norm: tuple | None = None) -> None:
+              norm: tuple | None = None, reach_all: bool = True) -> None:
         """The op reading ``slots`` produced ``output`` (statistics steps). Its gradient,
         times ``factor``, weighs their rounding noise: directly (a matmul's weight gradient)
         or ``relayed`` to the weight gradients of every matmul before it in the forward pass.
@@ -344,7 +344,9 @@ class AutoPrecision:
         (the relayed share scaled by the squared correlation of grad and ``x_hat``, read off
         the weight's gradient, plus ``1 / M``), through the noise times itself (second order),
         and through ``x_hat * mean(grad * eps_hat)``, shared by a channel's elements
-        (coherent); see docs/autoprec.md."""
+        (coherent); see docs/autoprec.md. ``reach_all=False``: relayed noise perturbs only the
+        nearest matmul below (a residual branch's noise, diluted beyond it by the skip path's
+        gradient)."""
         if not (self._collecting and output.requires_grad and type(output) is torch.Tensor):
             return
         position = self._position
@@ -369,7 +371,7 @@ class AutoPrecision:
                         w = (total / s.samples).expand(s.samples)
                     if relayed:
                         share = w / total.clamp_min(1e-30)
-                        entry = [position, share * factor, None, None]
+                        entry = [position, share * factor, None, None, reach_all]
                         if norm is not None:
                             count = g.numel() // max(norm[0].numel(), 1)
                             entry[2] = share * (factor * factor / count)  # noise x noise
@@ -413,7 +415,7 @@ class AutoPrecision:
             tensors.append(s.noise if s.noise is not None else torch.zeros(s.samples))
             tensors.append(s.direct if s.direct is not None else torch.zeros(s.samples))
             tensors.append(s.score if s.score is not None else torch.zeros(s.samples))
-            for _, lin, quad, coherent in s.relayed:
+            for _, lin, quad, coherent, _ in s.relayed:
                 tensors.append(lin)
                 tensors.append(quad if quad is not None else torch.zeros(s.samples))
                 tensors.append(coherent if coherent is not None else torch.zeros(s.samples))
@@ -425,6 +427,10 @@ class AutoPrecision:
         for (pos, _), v in zip(sizes, values[:at], strict=True):
             size_at[pos] += v
         below = np.concatenate([[0.0], np.cumsum(size_at)])  # below[p]: sizes before p
+        nearest = np.maximum.accumulate(  # nearest[p]: the size of the last matmul before p
+            np.where(np.concatenate([[0.0], size_at]) > 0,
+                     np.arange(len(size_at) + 1), 0))
+        nearest = np.concatenate([[0.0], size_at])[nearest]
         for s in fresh:
             k = s.samples
             noise, direct = values[at:at + k], values[at + k:at + 2 * k]
@@ -432,9 +438,10 @@ class AutoPrecision:
             at += 3 * k
             weight = direct.copy()
             quad = np.zeros(k)
-            for pos, *_ in s.relayed:
-                weight += values[at:at + k] * below[pos] + values[at + 2 * k:at + 3 * k]
-                quad += values[at + k:at + 2 * k] * below[pos]
+            for pos, *_, reach_all in s.relayed:
+                reach = below[pos] if reach_all else nearest[pos]
+                weight += values[at:at + k] * reach + values[at + 2 * k:at + 3 * k]
+                quad += values[at + k:at + 2 * k] * reach
                 at += 3 * k
             sigma2 = noise / s.per_sample_numel
             cost, quartic = sigma2 * weight, sigma2 * sigma2 * quad

@@ -129,11 +129,11 @@ class FunctionMode(TorchFunctionMode):
             self.s.last_matmul = None  # holds the matmul's input: let it go
             ap.watch(touched, out, scale, relayed=True,
                      norm=(weight, dims, coherent) if isinstance(weight, torch.Tensor)
-                     else None)
+                     else None, reach_all=func is F.batch_norm)
             if isinstance(weight, torch.Tensor):  # and directly its own weight's gradient
                 ap.watch(touched, out, scale, relayed=False)
             return
-        ap.watch(touched, out, 1.0, relayed=True)
+        ap.watch(touched, out, 1.0, relayed=True, reach_all=False)
 
 
 def _coherent(last, h: torch.Tensor, gamma: torch.Tensor, dims) -> torch.Tensor | None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
 from . import layout
-from .scalar import INV_2_24, MASK32, build
+from .scalar import INV_2_24, MASK32, MUL1, MUL2, build
 
 _s = build(numba.njit(inline="always"))
 _stream_key = _s.stream_key
@@ -22,6 +24,8 @@ _group_meta = _s.group_meta
 _meta_values = _s.meta_values
 
 _jit = numba.njit(cache=True, nogil=True)
+_U32 = np.uint32
+_S8 = _U32(8)
 #: Per input dtype: the signed integer view, the sign shift, the magnitude mask and the
 #: bits of +inf (see _min_max).
 _BITS = {
@@ -29,6 +33,32 @@ _BITS = {
     np.dtype(np.float64): (np.int64, np.int64(63), np.int64(0x7FFFFFFFFFFFFFFF),
                            np.int64(0x7FF0000000000000)),
 }
+
+
+@intrinsic
+def _mix32_i32(typingctx, x):
+    """:func:`scalar._mix32` of a uint32, emitted as 32-bit LLVM operations. Numba widens
+    integer arithmetic to 64 bits, which AVX2 cannot multiply as vectors; a product's low 32
+    bits do not depend on the width it is computed in, so the bits are the same."""
+    if x != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        v = args[0]
+        for shift, mul in ((16, MUL1), (15, MUL2)):
+            v = builder.xor(v, builder.lshr(v, ir.Constant(i32, shift)))
+            v = builder.mul(v, ir.Constant(i32, mul))
+        return builder.xor(v, builder.lshr(v, ir.Constant(i32, 16)))
+
+    return types.uint32(types.uint32), codegen
+
+
+@numba.njit(inline="always")
+def _random24_u32(key, index):  # pragma: no cover - jitted
+    """:func:`scalar.random24` for uint32 ``key`` and ``index``, as int32 (exactly converted
+    to float: 24 bits)."""
+    return np.int32(_mix32_i32(_U32(index ^ key)) >> _S8)
 
 
 @numba.njit(inline="always")
@@ -77,13 +107,15 @@ def _bytes_stochastic(xs, out, lo, inv, base, top, zero_code, key, low0, per,
                       bits):  # pragma: no cover - jitted
     """Whole bytes of a group, stochastic rounding; ``per`` = 8 // ``bits`` codes a byte."""
     u_step = xs.dtype.type(INV_2_24)
+    key32 = _U32(key)
+    low32 = _U32(low0)
     for k in range(out.size):
         byte = np.uint8(0)
         for j in range(per):
             i = k * per + j
             v = (xs[i] - lo) * inv
             fl = np.floor(v)
-            r = xs.dtype.type(_random24(key, low0 + i)) * u_step
+            r = xs.dtype.type(_random24_u32(key32, _U32(low32 + _U32(i)))) * u_step
             byte |= _code(xs[i], fl, r < v - fl, base, top, zero_code) << (bits * j)
         out[k] = byte
 

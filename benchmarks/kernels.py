@@ -2,13 +2,20 @@
 torch's clone of the same tensor and a pure-torch implementation of the same quantization,
 all measured in one run on one tensor (ratios, not absolute timings, are the result).
 
-    python benchmarks/kernels.py [--numel 67108864] [--repeat 5]
+    python benchmarks/kernels.py [--numel 67108864] [--repeat 5] [--isa all|native|avx2]
+
+``--isa all`` (the default) runs the measurement once per code generation target in its own
+process: the host's own (``native``, AVX-512 where the host has it) and AVX2 (numba told to
+compile for a Haswell without AVX-512), so one run shows what CPUs without AVX-512 get.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -16,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from actune_kernels import cpu, layout
+from actune_kernels import cpu, isa, layout
 
 GROUP = 256
 
@@ -54,7 +61,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=64 * 2**20)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--isa", default="all", choices=("all", *isa.TARGETS))
     args = parser.parse_args()
+    if args.isa == "all":
+        for target in isa.TARGETS:
+            if target == "avx2" and not isa.has("avx2"):
+                continue
+            cmd = [sys.executable, __file__, "--numel", str(args.numel), "--repeat",
+                   str(args.repeat), "--isa", target]
+            subprocess.run(cmd, check=True, env={**os.environ, **isa.codegen_env(target)})
+        return
     n = args.numel - args.numel % GROUP
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     xn = x.numpy()
@@ -83,7 +99,8 @@ def main() -> None:
                  best_seconds(lambda: torch_unpack(*packed, 2), args.repeat)))
 
     table = Table(title=f"{n:,} float32 elements, {torch.get_num_threads()} threads, "
-                        f"{platform.processor() or platform.machine()}")
+                        f"{platform.processor() or platform.machine()}, kernels compiled "
+                        f"for {isa.vector_width()} ({args.isa})")
     table.add_column("operation")
     table.add_column("Gelem/s", justify="right")
     table.add_column("x clone", justify="right")
