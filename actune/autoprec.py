@@ -427,10 +427,7 @@ class AutoPrecision:
         for (pos, _), v in zip(sizes, values[:at], strict=True):
             size_at[pos] += v
         below = np.concatenate([[0.0], np.cumsum(size_at)])  # below[p]: sizes before p
-        nearest = np.maximum.accumulate(  # nearest[p]: the size of the last matmul before p
-            np.where(np.concatenate([[0.0], size_at]) > 0,
-                     np.arange(len(size_at) + 1), 0))
-        nearest = np.concatenate([[0.0], size_at])[nearest]
+        nearest = _nearest_below(size_at)
         for s in fresh:
             k = s.samples
             noise, direct = values[at:at + k], values[at + k:at + 2 * k]
@@ -583,6 +580,14 @@ def rounding_noise(packed: PackedTensor | PackedSamples | PackedRows, samples: i
     if samples > 1 and (numel // samples) % packed.group_size == 0:
         return per_group.view(samples, -1).sum(1)
     return (per_group.sum() / samples).expand(samples)
+
+
+def _nearest_below(size_at: np.ndarray) -> np.ndarray:
+    """``out[p]``: the size of the last matmul at a position before ``p`` (0 if none), where
+    ``size_at[q]`` is the size of the matmul at position ``q`` (0: no matmul there)."""
+    padded = np.concatenate([[0.0], size_at])
+    last = np.maximum.accumulate(np.where(padded > 0, np.arange(padded.size), 0))
+    return padded[last]
 
 
 def _widest(bits: float, min_bits: int = 1) -> int:

@@ -1,9 +1,11 @@
 """Numba CPU kernels: parallel over groups, one pass over the input.
 
-Each group is read into cache once for its min and max, then quantized and packed while it is
-still there. The loops over whole bytes are small functions called with constant ``bits``, so
-LLVM specialises them per width (unrolled, vectorized); a slow, general loop handles the last
-partial group and groups whose random stream crosses a 2**32 boundary.
+Each group is read into cache once for its min and max, then quantized while it is still there:
+one code a byte into a scratch buffer in a unit-stride loop, in 32-bit integer arithmetic
+(so it vectorizes with AVX2 as with AVX-512), then gathered into whole bytes by small
+functions called with constant ``bits`` (specialised per width). A slow, general loop handles
+the last partial group and groups whose random stream crosses a 2**32 boundary. Parallel tasks
+take ``_CHUNK`` groups each.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ _meta_values = _s.meta_values
 _jit = numba.njit(cache=True, nogil=True)
 _U32 = np.uint32
 _S8 = _U32(8)
+#: Groups a parallel task packs in turn, sharing one scratch buffer.
+_CHUNK = 16
 #: Per input dtype: the signed integer view, the sign shift, the magnitude mask and the
 #: bits of +inf (see _min_max).
 _BITS = {
@@ -68,18 +72,19 @@ def _order_key(w, shift, magnitude):  # pragma: no cover - jitted
 
 
 @_jit
-def _min_max(words, shift, magnitude, inf_key, positive):  # pragma: no cover - jitted
+def _min_max(words, start, stop, shift, magnitude, inf_key, positive):  # pragma: no cover
     """float64 min (of the positive values only, if ``positive``: +inf when there are none)
-    and max of a non-empty group, and whether it holds NaN or inf.
+    and max of the non-empty group ``words[start:stop]``, and whether it holds NaN or inf.
 
-    Works on the float bits (``words``: the group viewed as signed integers) mapped to
+    Works on the float bits (``words``: the input viewed as signed integers) mapped to
     order-preserving keys: integer min/max vectorizes where float min/max does not, and NaN
-    and inf are the keys beyond +-inf's.
+    and inf are the keys beyond +-inf's. (Groups are addressed by offsets, not slices: a slice
+    costs two atomic reference-count updates, on one counter shared by every thread.)
     """
     lo = inf_key
     lo_pos = inf_key
     hi = -inf_key
-    for i in range(words.size):
+    for i in range(start, stop):
         k = _order_key(words[i], shift, magnitude)
         lo = min(lo, k)
         lo_pos = min(lo_pos, k if k > 0 else inf_key)
@@ -102,117 +107,138 @@ def _code(x, fl, up, base, top, zero_code):  # pragma: no cover - jitted
     return np.uint8(c * np.int32(x > 0 or not zero_code))
 
 
+@numba.njit(inline="always")
+def _gather_bytes(scratch, out, at, nbytes, per, bits):  # pragma: no cover - jitted
+    """Pack the codes in ``scratch`` (one a byte) into ``out[at:at + nbytes]``, ``per`` codes
+    a byte."""
+    for k in range(nbytes):
+        byte = np.uint8(0)
+        for j in range(per):
+            byte |= scratch[k * per + j] << (bits * j)
+        out[at + k] = byte
+
+
 @_jit
-def _bytes_stochastic(xs, out, lo, inv, base, top, zero_code, key, low0, per,
-                      bits):  # pragma: no cover - jitted
-    """Whole bytes of a group, stochastic rounding; ``per`` = 8 // ``bits`` codes a byte."""
-    u_step = xs.dtype.type(INV_2_24)
+def _bytes_stochastic(x, start, out, at, nbytes, scratch, lo, inv, base, top, zero_code, key,
+                      low0, per, bits):  # pragma: no cover - jitted
+    """The whole bytes of the group at ``x[start]``, stochastic rounding; ``per`` = 8 //
+    ``bits`` codes a byte. The codes are computed one a byte in a unit-stride loop in 32-bit
+    integer arithmetic (it vectorizes with AVX2 as with AVX-512), then gathered."""
+    t = x.dtype.type
+    u_step = t(INV_2_24)
     key32 = _U32(key)
     low32 = _U32(low0)
-    for k in range(out.size):
-        byte = np.uint8(0)
-        for j in range(per):
-            i = k * per + j
-            v = (xs[i] - lo) * inv
-            fl = np.floor(v)
-            r = xs.dtype.type(_random24_u32(key32, _U32(low32 + _U32(i)))) * u_step
-            byte |= _code(xs[i], fl, r < v - fl, base, top, zero_code) << (bits * j)
-        out[k] = byte
+    for i in range(nbytes * per):
+        xi = x[start + i]
+        v = (xi - lo) * inv
+        fl = t(np.int32(v))  # floor: v >= 0 (lo <= the group's min); no libm call
+        r = t(_random24_u32(key32, _U32(low32 + _U32(i)))) * u_step
+        scratch[i] = _code(xi, fl, r < v - fl, base, top, zero_code)
+    _gather_bytes(scratch, out, at, nbytes, per, bits)
 
 
 @_jit
-def _bytes_nearest(xs, out, lo, inv, base, top, zero_code, per,
+def _bytes_nearest(x, start, out, at, nbytes, scratch, lo, inv, base, top, zero_code, per,
                    bits):  # pragma: no cover - jitted
-    """Whole bytes of a group, round to nearest (halves up)."""
-    half = xs.dtype.type(0.5)
-    for k in range(out.size):
-        byte = np.uint8(0)
-        for j in range(per):
-            i = k * per + j
-            v = (xs[i] - lo) * inv
-            fl = np.floor(v)
-            byte |= _code(xs[i], fl, v - fl >= half, base, top, zero_code) << (bits * j)
-        out[k] = byte
+    """The whole bytes of a group, round to nearest (halves up)."""
+    t = x.dtype.type
+    half = t(0.5)
+    for i in range(nbytes * per):
+        xi = x[start + i]
+        v = (xi - lo) * inv
+        fl = t(np.int32(v))  # floor: v >= 0
+        scratch[i] = _code(xi, fl, v - fl >= half, base, top, zero_code)
+    _gather_bytes(scratch, out, at, nbytes, per, bits)
 
 
 @_jit
-def _bytes_any(xs, out, lo, inv, base, top, zero_code, seed, idx0, stochastic, per,
-               bits):  # pragma: no cover - jitted
-    """Any group: the tail group, or one whose stream index crosses a 2**32 boundary."""
-    u_step = xs.dtype.type(INV_2_24)
-    out[:] = 0
-    for i in range(xs.size):
-        v = (xs[i] - lo) * inv
+def _bytes_any(x, start, stop, out, at, group_bytes, lo, inv, base, top, zero_code, seed, idx0,
+               stochastic, per, bits):  # pragma: no cover - jitted
+    """Any group: the tail group, or one whose stream index crosses a 2**32 boundary
+    (``idx0``: the index of ``x[start]`` in the stream ``seed``)."""
+    t = x.dtype.type
+    u_step = t(INV_2_24)
+    for k in range(at, min(at + group_bytes, out.size)):  # the group's bytes, padding included
+        out[k] = 0
+    for i in range(stop - start):
+        xi = x[start + i]
+        v = (xi - lo) * inv
         fl = np.floor(v)
         if stochastic:
             idx = idx0 + i
             r = _random24(_stream_key(seed, idx >> 32), idx)
-            up = xs.dtype.type(r) * u_step < v - fl
+            up = t(r) * u_step < v - fl
         else:
-            up = v - fl >= xs.dtype.type(0.5)
-        out[i // per] |= _code(xs[i], fl, up, base, top, zero_code) << (bits * (i % per))
+            up = v - fl >= t(0.5)
+        out[at + i // per] |= _code(xi, fl, up, base, top, zero_code) << (bits * (i % per))
 
 
 @_jit
-def _pack_group(xs, out, lo, inv, base, top, zero_code, seed, idx0, stochastic, group_size,
-                bits):  # pragma: no cover - jitted
+def _pack_group(x, start, stop, out, at, scratch, lo, inv, base, top, zero_code, seed, idx0,
+                stochastic, group_size, bits):  # pragma: no cover - jitted
     key = _stream_key(seed, idx0 >> 32)
-    q = (lo, inv, base, top, zero_code)
-    if xs.size < group_size or (idx0 >> 32) != ((idx0 + group_size - 1) >> 32):
-        _bytes_any(xs, out, *q, seed, idx0, stochastic, 8 // bits, bits)
+    q = (scratch, lo, inv, base, top, zero_code)
+    nbytes = group_size * bits // 8
+    if stop - start < group_size or (idx0 >> 32) != ((idx0 + group_size - 1) >> 32):
+        _bytes_any(x, start, stop, out, at, nbytes, lo, inv, base, top, zero_code, seed, idx0,
+                   stochastic, 8 // bits, bits)
     elif stochastic:
         low0 = idx0 & MASK32
         if bits == 1:
-            _bytes_stochastic(xs, out, *q, key, low0, 8, 1)
+            _bytes_stochastic(x, start, out, at, nbytes, *q, key, low0, 8, 1)
         elif bits == 2:
-            _bytes_stochastic(xs, out, *q, key, low0, 4, 2)
+            _bytes_stochastic(x, start, out, at, nbytes, *q, key, low0, 4, 2)
         elif bits == 4:
-            _bytes_stochastic(xs, out, *q, key, low0, 2, 4)
+            _bytes_stochastic(x, start, out, at, nbytes, *q, key, low0, 2, 4)
         else:
-            _bytes_stochastic(xs, out, *q, key, low0, 1, 8)
+            _bytes_stochastic(x, start, out, at, nbytes, *q, key, low0, 1, 8)
     elif bits == 1:
-        _bytes_nearest(xs, out, *q, 8, 1)
+        _bytes_nearest(x, start, out, at, nbytes, *q, 8, 1)
     elif bits == 2:
-        _bytes_nearest(xs, out, *q, 4, 2)
+        _bytes_nearest(x, start, out, at, nbytes, *q, 4, 2)
     elif bits == 4:
-        _bytes_nearest(xs, out, *q, 2, 4)
+        _bytes_nearest(x, start, out, at, nbytes, *q, 2, 4)
     else:
-        _bytes_nearest(xs, out, *q, 1, 8)
+        _bytes_nearest(x, start, out, at, nbytes, *q, 1, 8)
 
 
 @numba.njit(inline="always")
-def _quantize_group(xs, ws, out, meta, g, shift, magnitude, inf_key, bits, group_size, seed,
-                    idx0, stochastic, zero_code):  # pragma: no cover - jitted
-    """Group ``g``: its metadata from its min and max, then its codes (zero for NaN/inf)."""
-    t = xs.dtype.type
+def _quantize_group(x, words, start, stop, out, at, scratch, meta, g, shift, magnitude,
+                    inf_key, bits, group_size, seed, idx0, stochastic,
+                    zero_code):  # pragma: no cover - jitted
+    """Group ``g`` (``x[start:stop]``, its codes at ``out[at]``): its metadata from its min
+    and max, then its codes (zero for NaN/inf)."""
+    t = x.dtype.type
     levels = (1 << bits) - 1
-    mn, mx, bad = _min_max(ws, shift, magnitude, inf_key, zero_code)
+    mn, mx, bad = _min_max(words, start, stop, shift, magnitude, inf_key, zero_code)
     lo_word, scale_word, lo64, scale64 = _group_meta(
         np.nan if bad else mn, mx, float(levels - zero_code), zero_code)
     meta[g, 0] = lo_word
     meta[g, 1] = scale_word
     if lo_word == layout.NAN16:
-        out[:] = 0
+        for k in range(at, min(at + group_size * bits // 8, out.size)):
+            out[k] = 0
         return
     scale = t(scale64)
     inv = t(1) / scale if scale > 0 else scale
     base_code = t(1) if zero_code else t(0)  # zero-code mode: code 0 is an exact zero
-    _pack_group(xs, out, t(lo64), inv, base_code, t(levels), zero_code, seed, idx0,
-                stochastic, group_size, bits)
+    _pack_group(x, start, stop, out, at, scratch, t(lo64), inv, base_code, t(levels),
+                zero_code, seed, idx0, stochastic, group_size, bits)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _pack(x, words, shift, magnitude, inf_key, codes, meta, bits, group_size, seed, base,
           stochastic, zero_code):  # pragma: no cover - jitted
     n = x.size
+    groups = meta.shape[0]
     group_bytes = group_size * bits // 8
-    for g in prange(meta.shape[0]):
-        start = g * group_size
-        stop = min(start + group_size, n)
-        _quantize_group(x[start:stop], words[start:stop],
-                        codes[g * group_bytes:(g + 1) * group_bytes], meta, g, shift,
-                        magnitude, inf_key, bits, group_size, seed, base + start, stochastic,
-                        zero_code)
+    for c in prange((groups + _CHUNK - 1) // _CHUNK):
+        scratch = np.empty(group_size, np.uint8)  # one code a byte, reused by the chunk
+        for g in range(c * _CHUNK, min((c + 1) * _CHUNK, groups)):
+            start = g * group_size
+            _quantize_group(x, words, start, min(start + group_size, n), codes,
+                            g * group_bytes, scratch, meta, g, shift, magnitude, inf_key,
+                            bits, group_size, seed, base + start, stochastic, zero_code)
 
 
 @numba.njit(inline="always")
@@ -291,15 +317,18 @@ def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
 def _pack_rows(x, words, shift, magnitude, inf_key, codes, meta, row_bits, row_offset,
                group_size, seed, base, stochastic, zero_code):  # pragma: no cover - jitted
     per_row = x.size // row_bits.size // group_size  # groups per row
-    for g in prange(meta.shape[0]):
-        row = g // per_row
-        bits = np.int64(row_bits[row])
-        group_bytes = group_size * bits // 8
-        at = row_offset[row] + (g - row * per_row) * group_bytes
-        start = g * group_size
-        _quantize_group(x[start:start + group_size], words[start:start + group_size],
-                        codes[at:at + group_bytes], meta, g, shift, magnitude, inf_key, bits,
-                        group_size, seed, base + start, stochastic, zero_code)
+    groups = meta.shape[0]
+    for c in prange((groups + _CHUNK - 1) // _CHUNK):
+        scratch = np.empty(group_size, np.uint8)
+        for g in range(c * _CHUNK, min((c + 1) * _CHUNK, groups)):
+            row = g // per_row
+            bits = np.int64(row_bits[row])
+            group_bytes = group_size * bits // 8
+            at = row_offset[row] + (g - row * per_row) * group_bytes
+            start = g * group_size
+            _quantize_group(x, words, start, start + group_size, codes, at, scratch, meta, g,
+                            shift, magnitude, inf_key, bits, group_size, seed, base + start,
+                            stochastic, zero_code)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)

@@ -360,3 +360,11 @@ def test_every_allocated_slot_of_an_addmm_model_has_a_cost():
     rows = actune.autoprec_of(model).rows()
     assert len(rows) >= 5
     assert all(r["cost"] > 0 for r in rows), [(r["shape"], r["cost"]) for r in rows]
+
+
+def test_relayed_noise_reaches_the_nearest_matmul_below():
+    """Positions 0..5 with matmuls of sizes 3 (at 1) and 5 (at 3): an op at position p relays
+    to the last matmul before it; the cumulative count (batch norm's) sums all of them."""
+    size_at = np.array([0.0, 3.0, 0.0, 5.0, 0.0, 0.0])
+    np.testing.assert_array_equal(autoprec._nearest_below(size_at), [0, 0, 3, 3, 5, 5, 5])
+    np.testing.assert_array_equal(autoprec._nearest_below(np.zeros(2)), [0, 0, 0])
