@@ -7,6 +7,8 @@ be started with :func:`codegen_env`: ``NUMBA_CPU_NAME`` names the target and
 
 from __future__ import annotations
 
+import os
+
 from numba.core.codegen import get_host_cpu_features
 
 #: Targets a process can be compiled for: name -> (NUMBA_CPU_NAME, features to turn off).
@@ -39,8 +41,6 @@ def codegen_env(target: str) -> dict[str, str]:
 
 def vector_width() -> str:
     """The widest vector extension this process compiles for ("AVX-512", "AVX2", "SSE")."""
-    import os
-
     features = os.environ.get("NUMBA_CPU_FEATURES") or ",".join(host_features())
     for flag, name in (("+avx512f", "AVX-512"), ("+avx2", "AVX2")):
         if flag in features.split(","):

@@ -23,7 +23,7 @@ def test_codegen_env_turns_off_avx512_only():
 @pytest.mark.skipif(not isa.has("avx2"), reason="the host CPU has no AVX2 to compile for")
 def test_avx2_code_matches_reference():
     here = Path(__file__).parent
-    probe = ("from actune_kernels import isa; import numba, sys; "
+    probe = ("from actune_kernels import isa; "
              "assert isa.vector_width() == 'AVX2', isa.vector_width()")
     env = {**os.environ, **isa.codegen_env("avx2")}  # numba caches per target
     env.pop("NUMBA_ENABLE_CUDASIM", None)
