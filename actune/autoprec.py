@@ -153,6 +153,7 @@ class _Slot:
     numel: int
     samples: int  # along dim 0 (1: one item for the whole tensor)
     min_bits: int
+    zero_code: bool = False  # exact zeros: a 1-bit mask if nothing reads the rest
     cost: np.ndarray | None = None  # C per sample, sorted largest first (or [C])
     quartic: np.ndarray | None = None  # the 1/B**4 coefficient, in the same order
     bits: np.ndarray | None = None  # bits per rank
@@ -278,17 +279,18 @@ class AutoPrecision:
             self._weight = torch.where(s > 0, s, fill).sqrt()
         return self._weight
 
-    def plan(self, t: torch.Tensor, zero_code: bool = False) -> Plan:
-        """How to pack the next compressed tensor of this step."""
+    def plan(self, t: torch.Tensor, zero_code: bool = False, floor: int = 1) -> Plan:
+        """How to pack the next compressed tensor of this step (at least ``floor`` bits)."""
         slot = self._cursor
         self._cursor += 1
         if self._batch is None:
             self._batch = int(t.shape[0]) if t.dim() else 1
         samples = self._samples(t)
-        min_bits = 2 if zero_code else 1
+        min_bits = max(2 if zero_code else 1, floor)
         collect = self._collecting and type(t) is torch.Tensor  # not under FakeTensorMode
         if collect:
-            self._fresh.append(_Slot(f"{tuple(t.shape)}", t.numel(), samples, min_bits))
+            self._fresh.append(_Slot(f"{tuple(t.shape)}", t.numel(), samples, min_bits,
+                                     zero_code))
         known = self.slots[slot] if slot < len(self.slots) else None
         weight = self._sample_weight(t.device) if samples > 1 else None
         if weight is not None and weight.numel() != samples:
@@ -456,7 +458,7 @@ class AutoPrecision:
         exact zeros (a ReLU output) that no op reads beyond its zeros gets 0: a 1-bit mask,
         outside the budget like every other mask."""
         for s in self.slots:
-            if s.min_bits > 1 and not s.cost.any():
+            if s.zero_code and not s.cost.any():
                 s.bits = np.zeros(s.samples, dtype=np.int64)
         slots = [s for s in self.slots if s.bits is None or s.bits.any()]
         if slots:
@@ -464,6 +466,9 @@ class AutoPrecision:
             quartic = np.concatenate([_quartic(s) for s in slots])
             numel = np.concatenate([np.full(s.samples, s.per_sample_numel) for s in slots])
             lo = np.concatenate([np.full(s.samples, s.min_bits) for s in slots])
+            if (lo * numel).sum() > self.avg_bits * numel.sum():  # a budget under the floors
+                lo = np.concatenate([np.full(s.samples, 2 if s.zero_code else 1)
+                                     for s in slots])  # (derivatives may then take 1)
             bits = allocate(costs, numel, self.avg_bits, lo, quartic)
             at = 0
             for s in slots:
@@ -516,7 +521,7 @@ class AutoPrecision:
                 "steps": self.steps, "reallocations": self.reallocations,
                 "sensitivity": None if self.sensitivity is None else self.sensitivity.cpu(),
                 "slots": [{"label": s.label, "numel": s.numel, "samples": s.samples,
-                           "min_bits": s.min_bits,
+                           "min_bits": s.min_bits, "zero_code": s.zero_code,
                            "cost": None if s.cost is None else s.cost.tolist(),
                            "quartic": None if s.quartic is None else s.quartic.tolist(),
                            "bits": None if s.bits is None else s.bits.tolist()}
@@ -532,6 +537,7 @@ class AutoPrecision:
         table = state.get("sensitivity")
         self.sensitivity = None if table is None else torch.as_tensor(table, dtype=torch.float32)
         self.slots = [_Slot(d["label"], int(d["numel"]), int(d["samples"]), int(d["min_bits"]),
+                            bool(d.get("zero_code", int(d["min_bits"]) == 2)),
                             None if d["cost"] is None else np.asarray(d["cost"], np.float64),
                             None if d.get("quartic") is None else np.asarray(d["quartic"],
                                                                              np.float64),

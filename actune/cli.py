@@ -15,8 +15,30 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+
+class _FlagsWithoutType:
+    """Help without a ``<bool>`` type beside flags (typer shows one for flags, ``--help``
+    included, though they take no value)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class _Group(_FlagsWithoutType, typer.core.TyperGroup):
+    pass
+
+
+class _Command(_FlagsWithoutType, typer.core.TyperCommand):
+    pass
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Compress saved activations to 2 bits and tune what fits in memory.")
+                  cls=_Group, help="Compress saved activations to 2 bits and tune what fits "
+                  "in memory.")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -222,7 +244,7 @@ def _run_job(job, level_list, quiet: bool, json_path: Path | None, **kwargs):
     return report
 
 
-@app.command()
+@app.command(cls=_Command)
 def maxbatch(
     model_file: ModelFile = None,
     model: ModelName = "resnet50",
@@ -252,7 +274,7 @@ def maxbatch(
                           f"{time.perf_counter() - t0:.1f} s")
 
 
-@app.command()
+@app.command(cls=_Command)
 def scale(
     model_file: ModelFile = None,
     dim: Annotated[str, typer.Option(help="depth, width or resolution.")] = "depth",
@@ -282,7 +304,7 @@ def scale(
                  multiple_of=multiple_of, maximum=max_scale)
 
 
-@app.command()
+@app.command(cls=_Command)
 def bench(
     model_file: ModelFile = None,
     model: ModelName = "resnet18",
@@ -330,7 +352,7 @@ def _require_matplotlib() -> None:
         raise _UsageError("--plot needs matplotlib: pip install 'actune[plot]'") from None
 
 
-@app.command()
+@app.command(cls=_Command)
 def train(
     model_file: ModelFile = None,
     model: ModelName = "tinycnn",
@@ -350,8 +372,9 @@ def train(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Train on real data at each level, side by side: loss, accuracy and time per epoch
-    (default: a small CNN on scikit-learn's digits, which ship offline)."""
+    """Train on real data at each level, side by side: loss, accuracy, time per epoch.
+
+    Default: a small CNN on scikit-learn's digits, which ship offline."""
     import torch
 
     from actune.levels import parse_levels
@@ -461,7 +484,7 @@ def _render_allocation(name: str, ap) -> None:
     console.print(table)
 
 
-@app.command()
+@app.command(cls=_Command)
 def numerics(
     model_file: ModelFile = None,
     model: ModelName = "tinycnn",
@@ -478,8 +501,9 @@ def numerics(
     json_path: JsonOpt = None,
     debug: Debug = False,
 ) -> None:
-    """Gradient bias and the variance quantization adds, next to SGD's own minibatch
-    variance, per layer and in total (ActNN's variance analysis, on real data)."""
+    """Gradient bias and quantization variance beside SGD's own, per layer and in total.
+
+    ActNN's variance analysis, on real data: SGD's variance is that of the minibatch."""
     import torch
 
     from actune.levels import parse_levels
@@ -528,15 +552,16 @@ def numerics(
             console.print(f"JSON written to {json_path}")
 
 
-@app.command()
+@app.command(cls=_Command)
 def summary(
     model_file: ModelFile = None,
     model: ModelName = "resnet50",
     level: Annotated[str, typer.Option(help="The level to convert at.")] = "L3",
     debug: Debug = False,
 ) -> None:
-    """What actune.compress converts in a model, what each layer keeps for backward, and
-    what it leaves as it is (and why)."""
+    """What actune.compress converts, what each layer keeps for backward, what it leaves.
+
+    Layers left as they are say why."""
     import torch
 
     import actune
@@ -557,7 +582,7 @@ def summary(
         console.print(f"{done} of {len(rows)} layers converted")
 
 
-@app.command()
+@app.command(cls=_Command)
 def info(debug: Debug = False) -> None:
     """The device and its memory (NVML), the kernels, and versions."""
     import numba
@@ -597,7 +622,7 @@ def info(debug: Debug = False) -> None:
         console.print(table)
 
 
-@app.command()
+@app.command(cls=_Command)
 def kernels(
     numel: int = typer.Option(16 * 2**20, min=1, help="Elements of the random float32 tensor."),
     group_size: int = typer.Option(256, help="Elements per quantization group."),

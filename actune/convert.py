@@ -15,6 +15,7 @@ import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from actune.autoprec import AutoPrecision
@@ -54,6 +55,16 @@ _KEPT_EXACT: dict[type[nn.Module], str] = {
     **{cls: "saves nothing" for cls in (nn.Flatten, nn.Identity)},
     nn.MaxPool1d: "1-d max pooling keeps PyTorch's own indices",
 }
+# Activations written inline as a chain of elementwise ops (each op saving its own operands:
+# GPT-2's ``gelu_new`` saves five tensors of the MLP's width), keyed by module and class name
+# so that nothing here imports their library: the counterpart computes the same function with
+# one op, whose rule saves one packed derivative. (What it keeps, the function.)
+_FUSED: dict[str, tuple[str, object]] = {
+    **{f"transformers.activations.{name}": (
+        "packed derivative (other bits): the inline tanh GELU computed as "
+        "F.gelu(approximate='tanh')", lambda x: F.gelu(x, approximate="tanh"))
+       for name in ("NewGELUActivation", "FastGELUActivation")},
+}
 _COUNTERPARTS: dict[type[nn.Module], type[nn.Module]] = {}
 
 
@@ -66,11 +77,29 @@ def _compressed_forward(self, *args, **kwargs):
         return super(type(self), self).forward(*args, **kwargs)
 
 
+@torch.compiler.disable(recursive=True)
+def _fused_forward(self, x, *args, **kwargs):
+    if args or kwargs or not isinstance(x, torch.Tensor):
+        return _compressed_forward(self, x, *args, **kwargs)
+    with compressed(getattr(self, _LEVEL_ATTR)):
+        return _fused_of(_base_class(self))(x)
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _fused_of(cls: type):
+    """The one-op function standing in for ``cls``'s inline chain (or None)."""
+    return next((_FUSED[_name(a)][1] for a in cls.__mro__ if _name(a) in _FUSED), None)
+
+
 def _counterpart(cls: type[nn.Module]) -> type[nn.Module]:
     made = _COUNTERPARTS.get(cls)
     if made is None:
         name = f"Compressed{cls.__name__}"
-        made = type(name, (cls,), {"forward": _compressed_forward, "__module__": __name__,
+        forward = _compressed_forward if _fused_of(cls) is None else _fused_forward
+        made = type(name, (cls,), {"forward": forward, "__module__": __name__,
                                    "__doc__": f"{cls.__name__} with compressed activations."})
         globals()[name] = made  # importable by name, so compressed models pickle
         _COUNTERPARTS[cls] = made
@@ -104,6 +133,8 @@ def _supported(cls: type[nn.Module]) -> str | None:
     for ancestor in cls.__mro__:
         if ancestor in _SUPPORTED:
             return _SUPPORTED[ancestor]
+        if _name(ancestor) in _FUSED:
+            return _FUSED[_name(ancestor)][0]
     return None
 
 

@@ -271,10 +271,11 @@ class _Session:
         self._touch(found.slot)
         return found
 
-    def _quantize_planned(self, t: torch.Tensor, zero_code: bool) -> tuple[object, int]:
+    def _quantize_planned(self, t: torch.Tensor, zero_code: bool,
+                          floor: int = 1) -> tuple[object, int]:
         """Pack ``t`` as the allocator plans its next slot; returns the packed form and slot."""
         ap = self.autoprec
-        plan: Plan = ap.plan(t, zero_code)
+        plan: Plan = ap.plan(t, zero_code, floor)
         group = self.level.group_size
         if plan.bits == 0:
             return pack_mask(t > 0), plan.slot
@@ -308,7 +309,8 @@ class _Session:
         function marks it dirty, which bumps its version once more after forward). ``reads``:
         this op's backward reads the rounded values (not only its exact zeros)."""
         if self.allocator() is not None:
-            packed, slot = self._quantize_planned(t, zero_code)
+            # a derivative at one bit keeps only its group's ends: 2 at least
+            packed, slot = self._quantize_planned(t, zero_code, 2 if kind == "derivative" else 1)
             saved = self._hold(self._new(packed), kind, replaces)
             saved.slot = slot
             if reads:

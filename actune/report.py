@@ -8,7 +8,9 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 SCHEMA = "actune.result/1"
@@ -146,42 +148,50 @@ def render(report: Report, console: Console) -> None:
              f"{human_bytes(report.budget_bytes)} ({report.budget_source}), {report.mode}")
     if report.fixed:
         title += ", " + ", ".join(f"{k} {v}" for k, v in report.fixed.items())
-    table = Table(title=title, title_justify="left")
-    table.add_column("level")
-    if report.command == "bench":
-        cols = ("batch", "samples/s", "vs L0", "peak", "saved (ratio)")
-    else:
-        label = "max batch" if report.dim == "batch" else f"max {report.dim}"
-        cols = (label, "vs L0", "peak", "saved (ratio)", "host", "probes")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    show_host = report.command != "bench" and any(r.host_bytes for r in report.levels)
+    label = "max batch" if report.dim == "batch" else f"max {report.dim}"
+    cols = (("batch", "samples/s", "vs L0", "peak", "saved", "ratio")
+            if report.command == "bench" else
+            (label, "vs L0", "peak", "saved", "ratio") + (("host",) if show_host else ()))
+    table.add_column("level", no_wrap=True)
     for col in cols:
-        table.add_column(col, justify="right")
-    table.add_column("note")
+        table.add_column(col, justify="right", no_wrap=True)
+    notes: dict[str, list[str]] = {}
     for r in report.levels:
         ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
         saved = human_bytes(r.activation_bytes)
-        if r.compression:
-            saved += f" ({r.compression:.1f}x)"
+        compression = f"{r.compression:.1f}x" if r.compression else "-"
         value = _fmt_value(report.dim, r.value) if r.complete or r.value else "-"
         if report.command == "bench":
             sps = f"{r.samples_per_s:,.1f}" if r.samples_per_s else "-"
-            row = (_fmt_value("batch", r.value), sps, ratio, human_bytes(r.peak_bytes), saved)
+            row = (_fmt_value("batch", r.value), sps, ratio, human_bytes(r.peak_bytes), saved,
+                   compression)
         else:
-            host = human_bytes(r.host_bytes) if r.host_bytes else "-"
-            row = (value, ratio, human_bytes(r.peak_bytes), saved, host, str(len(r.probes)))
-        note = r.note + ("" if r.complete else " interrupted")
-        note += " capped by --max" if r.capped else ""
-        table.add_row(r.level, *row, note.strip())
-    lines = []
-    places = [f"{r.level} {r.peak_at}" for r in report.levels if r.peak_at]
+            row = (value, ratio, human_bytes(r.peak_bytes), saved, compression)
+            if show_host:
+                row += (human_bytes(r.host_bytes) if r.host_bytes else "-",)
+        note = "; ".join(n for n in (r.note, "" if r.complete else "interrupted",
+                                     "capped by --max" if r.capped else "") if n)
+        table.add_row(r.level, *row)
+        if note:
+            notes.setdefault(note, []).append(r.level)
+    # long notes go under the table, levels with the same note on one line: the columns stay
+    # within 80 (a pipe, a CI log)
+    lines = [f"{', '.join(levels)}: {note}" for note, levels in notes.items()]
+    places: dict[str, list[str]] = {}
+    for r in report.levels:
+        if r.peak_at:
+            places.setdefault(r.peak_at, []).append(r.level)
     if places:
-        lines.append("peak at: " + "; ".join(places))
+        lines.append("peak at: " + "; ".join(f"{', '.join(levels)} {where}"
+                                              for where, levels in places.items()))
     lines += [f"{r.level} {describe_exact(r.kept_exact)}" for r in report.levels
               if sum(r.kept_exact.values()) >= 2**20]  # (under 1 MiB: not worth a line)
     if report.mode == "estimate":  # what the figures leave out
         lines.append(ESTIMATE_CAVEAT)
     elif report.device.startswith("CPU"):
         lines.append(CPU_MEASURE_CAVEAT)
-    if lines:
-        table.caption = "\n".join(lines)
-        table.caption_justify = "left"
     console.print(table)
+    for line in lines:
+        console.print(escape(line), overflow="fold")

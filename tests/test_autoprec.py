@@ -368,3 +368,28 @@ def test_relayed_noise_reaches_the_nearest_matmul_below():
     size_at = np.array([0.0, 3.0, 0.0, 5.0, 0.0, 0.0])
     np.testing.assert_array_equal(autoprec._nearest_below(size_at), [0, 0, 3, 3, 5, 5, 5])
     np.testing.assert_array_equal(autoprec._nearest_below(np.zeros(2)), [0, 0, 0])
+
+
+def test_a_packed_derivative_gets_two_bits_at_least_unless_the_budget_is_under_that():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    actune.compress(model, "L3", every=2, per_sample=False)
+    ap = actune.autoprec_of(model)
+    x = torch.randn(32, 16)
+    for _ in range(3):
+        model.zero_grad()
+        model(x).square().mean().backward()
+    assert ap.reallocations >= 1
+    derivative = [s for s in ap.slots if s.min_bits == 2 and not s.zero_code]
+    assert derivative and all(s.bits.min() >= 2 for s in derivative)
+    assert all(s.min_bits == 1 for s in ap.slots if s not in derivative and not s.zero_code)
+    state = ap.state_dict()
+    again = AutoPrecision()
+    again.load_state_dict(state)
+    assert [s.zero_code for s in again.slots] == [s.zero_code for s in ap.slots]
+    actune.compress(model, "1.25b", every=2, per_sample=False)  # under the floors: they yield
+    for _ in range(3):
+        model.zero_grad()
+        model(x).square().mean().backward()
+    assert actune.autoprec_of(model).mean_bits <= 1.25 + 1e-9

@@ -101,6 +101,31 @@ def test_compress_covers_the_whole_hugging_face_model():
     assert rel(flat_grads(model, "L0"), exact) < 1e-6
 
 
+def test_compress_fuses_gpt2_inline_gelu_into_one_saved_derivative():
+    from transformers.activations import FastGELUActivation, NewGELUActivation
+
+    x = torch.randn(4, 300, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    for cls in (NewGELUActivation, FastGELUActivation):
+        act, exact_stats, stats = cls(), [], []
+        with actune.compressed("L0", stats=exact_stats.append):
+            act(x).sum().backward()
+        exact, x.grad = x.grad, None
+        actune.compress(act, "u8")
+        assert "F.gelu(approximate='tanh')" in actune.summary(act)[0].keeps
+        with actune.compressed("u8", stats=stats.append):
+            y = act(x)
+        y.sum().backward()
+        assert torch.allclose(y, cls()(x), atol=1e-5)  # the same function
+        assert 0 < rel(x.grad, exact) < 0.02  # through one rounded derivative
+        assert stats[0].packed == 1 and stats[0].kept_bytes < 1.2 * x.numel()  # one, 8 bits
+        assert exact_stats[0].saved_bytes >= 3 * 4 * x.numel()  # the chain: three fp32 copies
+        x.grad = None
+        actune.decompress(act)
+        assert type(act) is cls
+    model = actune.compress(gpt2(), "L3")
+    assert type(model.transformer.h[0].mlp.act).__name__ == "CompressedNewGELUActivation"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_step(dtype):
     model = llama()

@@ -285,3 +285,27 @@ def test_numerics_reports_bias_and_both_variances(tmp_path):
         assert 0 < r["quant_variance"] < r["sgd_variance"]  # rounding is the smaller noise
         assert r["layers"] and sum(x["numel"] for x in r["layers"]) == 29162
     assert mixed["mean_bits"] == pytest.approx(2.0, abs=1e-6)
+
+
+def test_help_names_no_type_for_flags_and_keeps_summaries_on_their_lines():
+    top = runner.invoke(app, ["--help"], env={"COLUMNS": "140"})
+    assert top.exit_code == 0 and "<bool>" not in top.output
+    lines = top.output.splitlines()
+    for command in ("train", "numerics", "summary"):  # the summary line only, not cut
+        line = next(i for i, text in enumerate(lines) if text.startswith(f"│ {command} "))
+        assert lines[line].rstrip(" │").endswith("."), lines[line]
+        assert lines[line + 1][2] != " ", lines[line + 1]  # the next command: nothing wrapped
+    sub = runner.invoke(app, ["maxbatch", "--help"], env={"COLUMNS": "100"})
+    assert "<bool>" not in sub.output and "<str>" in sub.output  # values keep their type
+
+
+def test_tables_fit_80_columns_with_the_notes_under_them():
+    result = runner.invoke(app, ["maxbatch", "--model", "tinycnn", "--budget", "2GiB",
+                                 "--levels", "L0,L4", "--max", "64"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 80
+    rows = [line for line in lines if line.split()[:1] in (["L0"], ["L4"])]
+    assert len(rows) == 2  # one line a level: no cell wraps
+    assert "L0, L4: capped by --max" in result.output or "L4: offload simulated" in result.output
+    assert result.output.index("L4: offload simulated") > result.output.index(rows[-1])
