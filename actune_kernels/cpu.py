@@ -128,13 +128,15 @@ def _bytes_stochastic(x, start, out, at, nbytes, scratch, lo, inv, base, top, ze
     u_step = t(INV_2_24)
     key32 = _U32(key)
     low32 = _U32(low0)
+    dst, off = (out, at) if per == 1 else (scratch, 0)  # 8 bits: the codes are the bytes
     for i in range(nbytes * per):
         xi = x[start + i]
         v = (xi - lo) * inv
         fl = t(np.int32(v))  # floor: v >= 0 (lo <= the group's min); no libm call
         r = t(_random24_u32(key32, _U32(low32 + _U32(i)))) * u_step
-        scratch[i] = _code(xi, fl, r < v - fl, base, top, zero_code)
-    _gather_bytes(scratch, out, at, nbytes, per, bits)
+        dst[off + i] = _code(xi, fl, r < v - fl, base, top, zero_code)
+    if per != 1:
+        _gather_bytes(scratch, out, at, nbytes, per, bits)
 
 
 @_jit
@@ -143,12 +145,14 @@ def _bytes_nearest(x, start, out, at, nbytes, scratch, lo, inv, base, top, zero_
     """The whole bytes of a group, round to nearest (halves up)."""
     t = x.dtype.type
     half = t(0.5)
+    dst, off = (out, at) if per == 1 else (scratch, 0)  # 8 bits: the codes are the bytes
     for i in range(nbytes * per):
         xi = x[start + i]
         v = (xi - lo) * inv
         fl = t(np.int32(v))  # floor: v >= 0
-        scratch[i] = _code(xi, fl, v - fl >= half, base, top, zero_code)
-    _gather_bytes(scratch, out, at, nbytes, per, bits)
+        dst[off + i] = _code(xi, fl, v - fl >= half, base, top, zero_code)
+    if per != 1:
+        _gather_bytes(scratch, out, at, nbytes, per, bits)
 
 
 @_jit
