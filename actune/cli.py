@@ -63,7 +63,8 @@ ModelFile = Annotated[Path | None, typer.Argument(
     show_default=False)]
 ModelName = Annotated[str, typer.Option("--model", "-m", help="A built-in model, used when no "
                                         "model file is given.")]
-Levels = Annotated[str, typer.Option(help="Levels: L0-L5, L0,L3 or L3.")]
+Levels = Annotated[str, typer.Option(help="Levels: L0-L5, L0,L3 or L3; with the alternatives "
+                                     "ckpt, offload and L3+ckpt (docs/tuning.md).")]
 BudgetOpt = Annotated[str | None, typer.Option(
     "--budget", "-b", help="Memory budget: 16GiB, 1500MB or 80%. Default: the GPU's free "
     "memory less a reserve; without a GPU a simulated 16 GiB device.", show_default=False)]
@@ -94,7 +95,7 @@ def _output_file(example: str):
 
 
 JsonOpt = Annotated[Path | None, typer.Option(
-    "--json", help="Also write the result as JSON (schema actune.result/1) to this path, "
+    "--json", help="Also write the result as JSON (schema actune.result/2) to this path, "
     "atomically, after every finished level.", show_default=False,
     callback=_output_file("result.json"))]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no table "
@@ -156,12 +157,12 @@ def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
            mode: str | None):
     import torch
 
-    from actune.levels import parse_levels
     from actune.memory import parse_budget, probe
+    from actune.tune.alternatives import parse_configs
     from actune.tune.run import Settings
 
     workload = _workload(model_file, model)
-    level_list = parse_levels(levels)
+    level_list = parse_configs(levels)
     info = probe()
     cuda = info.available and torch.cuda.is_available()
     mode = mode or ("measure" if cuda else "estimate")

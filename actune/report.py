@@ -1,4 +1,4 @@
-"""Results as rich tables and as JSON (schema ``actune.result/1``, see docs/tuning.md)."""
+"""Results as rich tables and as JSON (schema ``actune.result/2``, see docs/tuning.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-SCHEMA = "actune.result/1"
+SCHEMA = "actune.result/2"
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -32,7 +32,7 @@ def human_bytes(n: int | float | None) -> str:
 class LevelResult:
     """One level's row: a search result (maxbatch/scale) or a measurement (bench)."""
 
-    level: str
+    level: str  # the configuration's name: "L3", "ckpt", "L3+ckpt", "offload"
     value: float | None = None  # max batch / max scale / the batch used by bench
     ratio: float | None = None  # value (or throughput, for bench) relative to L0
     peak_bytes: int | None = None
@@ -47,6 +47,9 @@ class LevelResult:
     complete: bool = True
     capped: bool = False
     note: str = ""
+    base_level: str = ""  # the level alone ("L3" for "L3+ckpt")
+    checkpoint: bool = False  # activation checkpointing around each block
+    offload: bool = False  # every saved tensor (or the level's packed ones) in host memory
 
     @property
     def compression(self) -> float | None:

@@ -26,8 +26,15 @@ from actune.quant import (
     unpack_mask,
 )
 
-__all__ = ["DoubleBackwardError", "Saved", "check_double_backward", "plain_saving",
-           "simulated_offload", "take"]
+__all__ = [
+    "DoubleBackwardError",
+    "Saved",
+    "check_double_backward",
+    "offload_simulated",
+    "plain_saving",
+    "simulated_offload",
+    "take",
+]
 
 
 class DoubleBackwardError(RuntimeError):
@@ -42,6 +49,11 @@ _DOUBLE_BACKWARD = (
 
 
 _SIMULATE_OFFLOAD = contextvars.ContextVar("actune_simulate_offload", default=False)
+
+
+def offload_simulated() -> bool:
+    """Is offload being simulated (an estimate: host memory is the ``meta`` device)?"""
+    return _SIMULATE_OFFLOAD.get()
 
 
 @contextlib.contextmanager

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 
 import actune
-from actune.levels import Level
 from actune.memory import Peak, StepMeter
+from actune.tune.alternatives import Config, apply_checkpointing, get_config
 from actune.tune.oom import is_oom
 from actune.tune.search import Probe
 from actune.tune.workload import Workload, from_source
 
-__all__ = ["ProbeError", "Trial"]
+__all__ = ["ProbeError", "Trial", "prepare"]
 
 #: Seconds one isolated GPU trial may take.
 TRIAL_TIMEOUT = 600
@@ -35,27 +35,30 @@ class ProbeError(RuntimeError):
 
 @dataclass(frozen=True)
 class Trial:
-    """What to run: a workload at a level, with scalable sizes, in a mode on a device."""
+    """What to run: a workload at a configuration (a level, perhaps with checkpointing or
+    offload), with scalable sizes, in a mode on a device."""
 
     workload: Workload
-    level: Level
+    config: Config
     sizes: dict
     mode: str = "estimate"
     device: str = "cpu"
     round_to: int | None = None
 
+    def __post_init__(self) -> None:  # a Level (or its name) stands for itself alone
+        object.__setattr__(self, "config", get_config(self.config))
+
     def _parts(self):
-        wl, level, sizes = self.workload, self.level, self.sizes
+        wl, config, sizes, device = self.workload, self.config, self.sizes, self.device
 
         def build():
-            model = wl.model(**sizes)
-            actune.allow_inplace_norms(model)
+            model = prepare(wl, config, wl.model(**sizes))
             return model, wl.optimizer(model.parameters())
 
         def step(model, opt, batch, sink):
             inputs, targets = wl.make_batch(batch, sizes.get("resolution"))
             opt.zero_grad(set_to_none=True)
-            with actune.compressed(level, stats=sink):
+            with actune.compressed(config.run_level, stats=sink), config.saving(device):
                 loss = wl.step_loss(model, inputs, targets)
             loss.backward()
             opt.step()
@@ -84,8 +87,18 @@ class Trial:
         return Probe(batch, peak.total <= budget, peak.total)
 
 
+def prepare(workload: Workload, config: Config, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` made ready for ``config``'s steps: batch norms allowed in place, and its
+    blocks checkpointed if the configuration asks for it."""
+    actune.allow_inplace_norms(model)
+    if config.checkpoint:
+        blocks = workload.blocks_fn(model) if workload.blocks_fn else None
+        apply_checkpointing(model, blocks)
+    return model
+
+
 def _isolated(trial: Trial, batch: int) -> Peak:  # pragma: no cover - needs a GPU
-    spec = json.dumps({"source": trial.workload.source, "level": trial.level.to_json(),
+    spec = json.dumps({"source": trial.workload.source, "config": trial.config.to_json(),
                        "sizes": trial.sizes, "batch": batch, "device": trial.device})
     try:
         done = subprocess.run([sys.executable, "-m", "actune.tune.probe", spec],
@@ -102,7 +115,7 @@ def _isolated(trial: Trial, batch: int) -> Peak:  # pragma: no cover - needs a G
 
 def _main(argv: list[str]) -> int:  # pragma: no cover - runs in the isolated subprocess
     spec = json.loads(argv[0])
-    trial = Trial(from_source(spec["source"]), Level.from_json(spec["level"]), spec["sizes"],
+    trial = Trial(from_source(spec["source"]), Config.from_json(spec["config"]), spec["sizes"],
                   "measure", spec["device"])
     try:
         peak = StepMeter(*trial._parts(), "measure", spec["device"]).peak(spec["batch"])

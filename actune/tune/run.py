@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 import actune
-from actune.levels import Level
 from actune.memory import Budget
 from actune.report import LevelResult, Report
-from actune.tune.probe import Trial
+from actune.tune.alternatives import Config, get_config
+from actune.tune.probe import Trial, prepare
 from actune.tune.search import Probe, largest_fitting
 from actune.tune.workload import Workload
 
@@ -49,11 +49,12 @@ class Settings:
         return 512 if self.mode == "estimate" else None
 
 
-def _note(level: Level, settings: Settings, real_steps: bool = False) -> str:
-    if level.offload and torch.device(settings.device).type != "cuda":
+def _note(config: Config, settings: Settings, real_steps: bool = False) -> str:
+    if config.offloads and torch.device(settings.device).type != "cuda":
         if settings.mode == "estimate" and not real_steps:
             return "offload simulated"
-        return "CPU: no offload, = L3" if real_steps else "CPU: no offload"
+        return "CPU: no offload, = L3" if real_steps and config.level.offload else \
+            "CPU: no offload"
     return ""
 
 
@@ -67,51 +68,58 @@ def _add(report: Report, row: LevelResult, on_level: Callable | None) -> None:
         raise KeyboardInterrupt
 
 
-def _fill(row: LevelResult, peak) -> None:
+def _fill(row: LevelResult, peak, config: Config) -> None:
     """Copy a peak's figures into a report row."""
     row.peak_bytes, row.host_bytes = peak.total, peak.host
-    row.activation_bytes = peak.saved
-    row.uncompressed_activation_bytes = peak.saved_uncompressed
+    if not (config.offload and config.level.exact):  # save_on_cpu's hooks replace actune's:
+        row.activation_bytes = peak.saved  # what they hold is counted as host bytes only
+        row.uncompressed_activation_bytes = peak.saved_uncompressed
     row.peak_parts = {k: getattr(peak, k) for k in ("parameters", "gradients", "optimizer",
                                                      "activations", "temporaries", "other")}
     row.peak_at = peak.where
     row.kept_exact = dict(peak.kept_exact)
 
 
-def _reporter(on_probe: Callable | None, level: Level) -> Callable[[Probe], None] | None:
-    return (lambda p: on_probe(level, p)) if on_probe else None
+def _reporter(on_probe: Callable | None, config: Config) -> Callable[[Probe], None] | None:
+    return (lambda p: on_probe(config, p)) if on_probe else None
+
+
+def _row(config: Config, value, **fields) -> LevelResult:
+    return LevelResult(config.name, value, base_level=config.level.name,
+                       checkpoint=config.checkpoint, offload=config.offload, **fields)
 
 
 def _probes(probes: list[Probe]) -> list[dict]:
     return [{"size": p.size, "fits": p.fits, "peak": p.peak} for p in probes]
 
 
-def maxbatch(workload: Workload, levels: list[Level], settings: Settings, *,
+def maxbatch(workload: Workload, levels: list, settings: Settings, *,
              sizes: dict | None = None, start: int = 8, multiple_of: int = 1,
              maximum: int | None = None, on_probe: Callable | None = None,
              on_level: Callable[[Report], None] | None = None) -> Report:
-    """Largest batch per level under the budget."""
+    """Largest batch per level (or configuration, :mod:`actune.tune.alternatives`) under the
+    budget."""
     sizes = sizes or {}
     report = Report("maxbatch", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch",
                     {k: v for k, v in sizes.items()})
-    for level in levels:
+    for level in map(get_config, levels):
         trial = Trial(workload, level, sizes, settings.mode, settings.device, settings.round_to)
         result = largest_fitting(
             lambda n, t=trial: t.probe(n, settings.budget.bytes), start=start,
             step=multiple_of, maximum=maximum,
             budget=settings.search_budget,
             on_probe=_reporter(on_probe, level))
-        row = LevelResult(level.name, result.value, probes=_probes(result.probes),
+        row = _row(level, result.value, probes=_probes(result.probes),
                           complete=result.complete, capped=result.capped,
                           note=_note(level, settings))
         if result.value:
-            _fill(row, trial.peak(result.value))
+            _fill(row, trial.peak(result.value), level)
         _add(report, row, on_level)
     return report
 
 
-def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str, batch: int,
+def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch: int,
           *, multiple_of: int | None = None, maximum: float | None = None,
           on_probe: Callable | None = None,
           on_level: Callable[[Report], None] | None = None) -> Report:
@@ -128,7 +136,7 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
                          f"give a larger --max")
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, dim, {"batch": batch})
-    for level in levels:
+    for level in map(get_config, levels):
         trials: dict[int, Trial] = {}
 
         def probe(n: int, level=level, trials=trials) -> Probe:
@@ -141,24 +149,24 @@ def scale(workload: Workload, levels: list[Level], settings: Settings, dim: str,
                                  budget=settings.search_budget,
                                  on_probe=_reporter(on_probe, level))
         value = result.value * unit if result.value else None
-        row = LevelResult(level.name, value,
+        row = _row(level, value,
                           probes=[{**p, "size": p["size"] * unit} for p in _probes(result.probes)],
                           complete=result.complete, capped=result.capped,
                           note=_note(level, settings))
         if value:
-            _fill(row, trials[result.value].peak(batch))
+            _fill(row, trials[result.value].peak(batch), level)
         _add(report, row, on_level)
     return report
 
 
-def throughput(workload: Workload, level: Level, batch: int, sizes: dict, device: str,
+def throughput(workload: Workload, level, batch: int, sizes: dict, device: str,
                steps: int = 5, warmup: int = 2) -> float:
     """Samples per second of real training steps: the median over ``steps`` timed steps
     after ``warmup`` untimed ones."""
     return throughputs(workload, [(level, batch)], sizes, device, steps, warmup)[0]
 
 
-def throughputs(workload: Workload, runs: list[tuple[Level, int]], sizes: dict, device: str,
+def throughputs(workload: Workload, runs: list[tuple], sizes: dict, device: str,
                 steps: int = 5, warmup: int = 2) -> list[float]:
     """Samples per second of each (level, batch): every run gets its own model (same seed)
     and ``warmup`` untimed steps, then the timed steps are taken in rounds, one step of each
@@ -174,17 +182,16 @@ def throughputs(workload: Workload, runs: list[tuple[Level, int]], sizes: dict, 
     for level, batch in runs:
         torch.manual_seed(0)
         with torch.device(device):
-            model = workload.model(**sizes)
-            actune.allow_inplace_norms(model)
+            model = prepare(workload, get_config(level), workload.model(**sizes))
             opt = workload.optimizer(model.parameters())
             inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
-        states.append((level, model, opt, inputs, targets))
+        states.append((get_config(level), model, opt, inputs, targets))
 
-    def step(level, model, opt, inputs, targets) -> float:
+    def step(config, model, opt, inputs, targets) -> float:
         sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with actune.compressed(level):
+        with actune.compressed(config.run_level), config.saving(device):
             loss = workload.step_loss(model, inputs, targets)
         loss.backward()
         opt.step()
@@ -201,7 +208,7 @@ def throughputs(workload: Workload, runs: list[tuple[Level, int]], sizes: dict, 
     return [batch / statistics.median(t) for (_, batch), t in zip(runs, times, strict=True)]
 
 
-def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch: int | None,
+def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | None,
           at_max: bool = False, sizes: dict | None = None, steps: int = 5, warmup: int = 2,
           multiple_of: int = 1, on_probe: Callable | None = None,
           on_level: Callable[[Report], None] | None = None) -> Report:
@@ -211,7 +218,8 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
                     settings.budget.source, settings.mode, "batch", dict(sizes))
     if batch and levels:  # one untimed step first: thread pools, allocator and kernels warm up
         throughput(workload, levels[-1], batch, sizes, settings.device, steps=1, warmup=1)
-    pending: list[tuple[LevelResult, Level]] = []
+    levels = [get_config(lv) for lv in levels]
+    pending: list[tuple[LevelResult, Config]] = []
     for level in levels:
         trial = Trial(workload, level, sizes, settings.mode, settings.device, settings.round_to)
         used = batch
@@ -222,13 +230,13 @@ def bench(workload: Workload, levels: list[Level], settings: Settings, *, batch:
                                     budget=settings.search_budget,
                                     on_probe=_reporter(on_probe, level))
             used, probes = found.value, _probes(found.probes)
-        row = LevelResult(level.name, used, probes=probes,
+        row = _row(level, used, probes=probes,
                           note=_note(level, settings, real_steps=True))
         if used:
-            _fill(row, trial.peak(used))
+            _fill(row, trial.peak(used), level)
         # each level at the edge of the budget, or one that empties the CUDA allocator's cache
         # after its forward pass (which would slow whichever level runs next): timed alone
-        alone = at_max or (level.defrag and settings.device.startswith("cuda"))
+        alone = at_max or (level.level.defrag and settings.device.startswith("cuda"))
         if used and alone:
             row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
                                            steps, warmup)

@@ -12,6 +12,8 @@ A model file is a plain Python file (see docs/tuning.md and docs/examples/model.
     def make_optimizer(parameters): ...                      # optional: SGD, momentum 0.9
     def make_dataset(resolution=32):                         # optional: for `actune train`
         return x_train, y_train, x_test, y_test
+    def checkpoint_blocks(model): ...                        # optional: the modules `ckpt`
+                                                             # wraps (default: repeated blocks)
 
 Everything that can go wrong while loading or dry-running it raises :class:`WorkloadError`
 with one paragraph that says what to fix.
@@ -58,6 +60,7 @@ class Workload:
     source: str = ""  # the model file's path, or "builtin:NAME" (to rebuild it elsewhere)
     dataset_fn: Callable | None = None  # make_dataset(): real data for training
     custom_loss: bool = False  # the model file defines loss_fn
+    blocks_fn: Callable | None = None  # checkpoint_blocks(model): the blocks ckpt wraps
 
     def dataset(self, resolution: int | None = None) -> Dataset:
         """The workload's training and test data (``make_dataset`` of a model file)."""
@@ -272,7 +275,8 @@ def load(path: str | Path) -> Workload:
                     custom_loss=callable(getattr(module, "loss_fn", None)),
                     optimizer=getattr(module, "make_optimizer", default_optimizer),
                     dims=dims, source=str(p.resolve()),
-                    dataset_fn=getattr(module, "make_dataset", None))
+                    dataset_fn=getattr(module, "make_dataset", None),
+                    blocks_fn=getattr(module, "checkpoint_blocks", None))
 
 
 def from_source(source: str) -> Workload:

@@ -44,7 +44,7 @@ def test_maxbatch_writes_versioned_json_and_compression_gains(tmp_path):
                  "--budget", "256MiB", "--json", str(out), "--multiple-of", "4")
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert data["schema"] == "actune.result/1" and data["command"] == "maxbatch"
+    assert data["schema"] == "actune.result/2" and data["command"] == "maxbatch"
     l0, l3 = data["levels"]
     assert (l0["level"], l3["level"]) == ("L0", "L3")
     assert l0["value"] % 4 == 0 and l3["value"] % 4 == 0
@@ -175,7 +175,7 @@ def test_json_of_finished_levels_survives_an_interrupt(tmp_path, monkeypatch):
     calls = {"n": 0}
 
     def flaky(self, batch, budget):
-        if self.level.name == "L3":
+        if self.config.name == "L3":
             raise KeyboardInterrupt
         calls["n"] += 1
         return real(self, batch, budget)

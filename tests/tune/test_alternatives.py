@@ -1,0 +1,99 @@
+"""Activation checkpointing and CPU offload as configurations beside the levels."""
+
+import json
+
+import pytest
+import torch
+import transformers  # in the test extra
+from torch import nn
+from typer.testing import CliRunner
+
+from actune import zoo
+from actune.cli import app
+from actune.levels import L0, L3, L4
+from actune.tune.alternatives import (
+    Config,
+    apply_checkpointing,
+    get_config,
+    parse_configs,
+    repeated_blocks,
+)
+from actune.tune.probe import Trial
+from actune.tune.workload import builtin
+
+
+def test_configurations_parse_with_levels_and_ranges():
+    configs = parse_configs("L0-L2,ckpt,L3+ckpt,offload,l3+offload,u2+ckpt")
+    assert [c.name for c in configs] == ["L0", "L1", "L2", "ckpt", "L3+ckpt", "offload",
+                                         "L3+offload", "u2+ckpt"]
+    assert configs[3] == Config(L0, checkpoint=True) and configs[5] == Config(L0, offload=True)
+    assert configs[6].run_level.offload and configs[6].run_level.name == "L3+offload"
+    assert Config.from_json(configs[4].to_json()) == configs[4]
+    assert get_config(L3) == Config(L3) and get_config("L3+ckpt") == configs[4]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("L3+L4", "more than one level"), ("L0-L3+ckpt", "not a range"), ("L9", "unknown level"),
+    (",", "no levels")])
+def test_bad_configurations_say_what_to_write(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_configs(text)
+
+
+def test_default_blocks_are_the_repeated_blocks():
+    resnet = zoo.resnet(50)
+    blocks = repeated_blocks(resnet)
+    assert len(blocks) == 16 and {type(b).__name__ for b in blocks} == {"Bottleneck"}
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=100)
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    assert repeated_blocks(gpt2) == list(gpt2.transformer.h)
+    with pytest.raises(ValueError, match="checkpoint_blocks"):
+        apply_checkpointing(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+
+def test_checkpointed_blocks_give_the_same_gradients_and_keep_less():
+    torch.manual_seed(0)
+    model = zoo.resnet(18)
+    x = torch.randn(4, 3, 32, 32)
+    model(x).sum().backward()
+    exact = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    assert apply_checkpointing(model) == 8
+    model(x).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(exact, grads, strict=True))
+    workload = builtin("resnet18")
+    l0 = Trial(workload, "L0", {"resolution": 32}, "estimate").peak(16)
+    ckpt = Trial(workload, "ckpt", {"resolution": 32}, "estimate").peak(16)
+    l3ckpt = Trial(workload, "L3+ckpt", {"resolution": 32}, "estimate").peak(16)
+    assert ckpt.saved < 0.9 * l0.saved and l3ckpt.saved < 0.2 * ckpt.saved
+    offload = Trial(workload, "offload", {"resolution": 32}, "estimate").peak(16)
+    assert offload.host >= l0.saved and offload.total < l0.total
+    assert Trial(workload, L4, {"resolution": 32}, "estimate").peak(16).host > 0
+
+
+def test_model_file_names_its_blocks_and_the_cli_runs_every_alternative(tmp_path):
+    model_file = tmp_path / "net.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def block():\n"
+        "    return nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh())\n"
+        "def build_model():\n"
+        "    return nn.Sequential(nn.Linear(32, 256), block(), block(), nn.Linear(256, 10))\n"
+        "def checkpoint_blocks(model):  # the default finds none here: mixed children\n"
+        "    return [model[1], model[2]]\n"
+        "def make_batch(batch_size):\n"
+        "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n")
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["maxbatch", str(model_file), "--budget", "64MiB",
+                                      "--levels", "L0,ckpt,L3+ckpt,offload", "--json",
+                                      str(out)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    rows = {r["level"]: r for r in json.loads(out.read_text())["levels"]}
+    assert list(rows) == ["L0", "ckpt", "L3+ckpt", "offload"]
+    assert rows["L3+ckpt"]["base_level"] == "L3" and rows["L3+ckpt"]["checkpoint"]
+    assert rows["offload"]["offload"] and rows["offload"]["host_bytes"] > 0
+    assert rows["offload"]["activation_bytes"] is None
+    assert rows["ckpt"]["value"] > rows["L0"]["value"]
+    assert rows["L3+ckpt"]["value"] > rows["ckpt"]["value"]
+    assert "offload: offload simulated" in result.output
