@@ -71,6 +71,15 @@ class Report:
     dim: str
     fixed: dict = field(default_factory=dict)  # e.g. {"batch": 64} for scale
     levels: list[LevelResult] = field(default_factory=list)
+    # bench --at-max: the fastest configuration that fits, {"level", "batch", "samples_per_s"}
+    best: dict | None = None
+
+    def choose_best(self) -> None:
+        """Name the fastest level whose batch fits (``bench --at-max``)."""
+        timed = [r for r in self.levels if r.value and r.samples_per_s]
+        top = max(timed, key=lambda r: r.samples_per_s, default=None)
+        self.best = None if top is None else {
+            "level": top.level, "batch": int(top.value), "samples_per_s": top.samples_per_s}
 
     def to_json(self) -> dict:
         out = {"schema": SCHEMA, **{k: v for k, v in asdict(self).items() if k != "levels"}}
@@ -195,6 +204,10 @@ def render(report: Report, console: Console) -> None:
         lines.append(ESTIMATE_CAVEAT)
     elif report.device.startswith("CPU"):
         lines.append(CPU_MEASURE_CAVEAT)
+    if report.best:
+        b = report.best
+        lines.insert(0, f"fastest within the budget: {b['level']} at batch {b['batch']:,}, "
+                        f"{b['samples_per_s']:,.1f} samples/s")
     console.print(table)
     for line in lines:
         console.print(escape(line), overflow="fold")

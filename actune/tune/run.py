@@ -255,4 +255,8 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
             report.levels.sort(key=lambda r: order[r.level])  # back in the order asked for
             if on_level:
                 on_level(report)
+    if at_max:  # each level at its own max batch: name the fastest
+        report.choose_best()
+        if on_level:
+            on_level(report)
     return report

@@ -309,3 +309,17 @@ def test_tables_fit_80_columns_with_the_notes_under_them():
     assert len(rows) == 2  # one line a level: no cell wraps
     assert "L0, L4: capped by --max" in result.output or "L4: offload simulated" in result.output
     assert result.output.index("L4: offload simulated") > result.output.index(rows[-1])
+
+
+def test_bench_at_max_names_the_fastest_configuration_that_fits(tmp_path):
+    out = tmp_path / "b.json"
+    result = run("bench", "--model", "tinycnn", "--budget", "32MiB", "--levels", "L0,L3",
+                 "--at-max", "--steps", "1", "--warmup", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    rows = {r["level"]: r for r in data["levels"]}
+    best = data["best"]
+    assert best["level"] in rows and best["batch"] == rows[best["level"]]["value"]
+    assert best["samples_per_s"] == max(r["samples_per_s"] for r in rows.values())
+    assert f"fastest within the budget: {best['level']} at batch {best['batch']:,}" in \
+        " ".join(result.output.split())
