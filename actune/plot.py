@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actune.levels import Level
 from actune.report import Report
 
 
-def throughput_curves(workload, levels: list[Level], settings, report: Report, sizes: dict,
+def throughput_curves(workload, levels: list, settings, report: Report, sizes: dict,
                       path: Path, points: int = 4) -> None:
     """Measure samples/s at up to ``points`` batch sizes (halving from each level's batch in
     ``report``) and draw them to ``path``."""

@@ -73,6 +73,9 @@ class Report:
     levels: list[LevelResult] = field(default_factory=list)
     # bench --at-max: the fastest configuration that fits, {"level", "batch", "samples_per_s"}
     best: dict | None = None
+    # scale --dim depth|width: the size at which parameters, gradients and optimizer state
+    # alone fill the budget (the physical limit every level approaches)
+    ceiling: float | None = None
 
     def choose_best(self) -> None:
         """Name the fastest level whose batch fits (``bench --at-max``)."""
@@ -204,6 +207,10 @@ def render(report: Report, console: Console) -> None:
         lines.append(ESTIMATE_CAVEAT)
     elif report.device.startswith("CPU"):
         lines.append(CPU_MEASURE_CAVEAT)
+    if report.ceiling is not None:
+        size = _fmt_value(report.dim, report.ceiling)
+        lines.insert(0, f"parameter-state ceiling: {report.dim} {size} (parameters, gradients "
+                        f"and optimizer state alone fill the budget)")
     if report.best:
         b = report.best
         lines.insert(0, f"fastest within the budget: {b['level']} at batch {b['batch']:,}, "

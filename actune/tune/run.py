@@ -19,6 +19,7 @@ import actune
 from actune.memory import Budget
 from actune.report import LevelResult, Report
 from actune.tune.alternatives import Config, get_config
+from actune.tune.ceiling import parameter_state_ceiling
 from actune.tune.probe import Trial, prepare
 from actune.tune.search import Probe, largest_fitting
 from actune.tune.workload import Workload
@@ -154,7 +155,12 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
                           complete=result.complete, capped=result.capped,
                           note=_note(level, settings))
         if value:
-            _fill(row, trials[result.value].peak(batch), level)
+            peak = trials[result.value].peak(batch)
+            _fill(row, peak, level)
+            if dim in ("depth", "width") and report.ceiling is None and peak.parameters:
+                report.ceiling = parameter_state_ceiling(
+                    workload, dim, unit, settings.budget.bytes,
+                    peak.optimizer / peak.parameters)
         _add(report, row, on_level)
     return report
 
