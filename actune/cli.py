@@ -68,6 +68,11 @@ Levels = Annotated[str, typer.Option(help="Levels: L0-L5, L0,L3 or L3; with the 
 BudgetOpt = Annotated[str | None, typer.Option(
     "--budget", "-b", help="Memory budget: 16GiB, 1500MB or 80%. Default: the GPU's free "
     "memory less a reserve; without a GPU a simulated 16 GiB device.", show_default=False)]
+WorldSize = Annotated[int, typer.Option(
+    min=1, help="Ranks of a data-parallel run: the peak and the answer per rank (estimate "
+    "mode).")]
+Shard = Annotated[str, typer.Option(help="With --world-size: fsdp (FSDP2 per block: parameters, "
+                                    "gradients and optimizer state sharded) or ddp.")]
 ModeOpt = Annotated[str | None, typer.Option(
     help="estimate (fake tensors, no arithmetic; the default without a GPU) or measure.",
     show_default=False)]
@@ -154,7 +159,7 @@ def _data(work, resolution: int | None):
 
 
 def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
-           mode: str | None):
+           mode: str | None, world_size: int = 1, shard: str = "fsdp"):
     import torch
 
     from actune.memory import parse_budget, probe
@@ -168,8 +173,14 @@ def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
     mode = mode or ("measure" if cuda else "estimate")
     if mode not in ("estimate", "measure"):
         raise _UsageError(f"--mode must be estimate or measure, not {mode!r}")
+    from actune.tune.sharding import Sharding
+
+    sharding = Sharding(shard, world_size) if world_size > 1 else None
+    if sharding is not None and mode != "estimate":
+        raise _UsageError(f"--world-size {world_size} gives per-rank estimates: use --mode "
+                          f"estimate (or leave --mode out without a GPU)")
     settings = Settings(parse_budget(budget, info), mode, "cuda" if cuda else "cpu",
-                        info.name if cuda else f"CPU ({platform.machine()})")
+                        info.name if cuda else f"CPU ({platform.machine()})", sharding)
     workload.check()
     return workload, level_list, settings
 
@@ -256,6 +267,8 @@ def maxbatch(
     multiple_of: Annotated[int, typer.Option(min=1, help="Round batches to this.")] = 1,
     max_batch: Annotated[int | None, typer.Option("--max", min=1, help="Largest batch to "
                                                   "try.", show_default=False)] = None,
+    world_size: WorldSize = 1,
+    shard: Shard = "fsdp",
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -264,7 +277,8 @@ def maxbatch(
     from actune.tune import run
 
     with _errors(debug):
-        workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
+        workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
+                                                world_size, shard)
         sizes = {"resolution": resolution} if resolution else {}
         t0 = time.perf_counter()
         report = _run_job(run.maxbatch, level_list, quiet, json_path, workload=workload,
@@ -290,6 +304,8 @@ def scale(
     max_scale: Annotated[float | None, typer.Option(
         "--max", help="Largest value to try (a multiplier, or pixels).",
         show_default=False)] = None,
+    world_size: WorldSize = 1,
+    shard: Shard = "fsdp",
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -298,7 +314,8 @@ def scale(
     from actune.tune import run
 
     with _errors(debug):
-        workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
+        workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
+                                                world_size, shard)
         workload.require(dim)
         _run_job(run.scale, level_list, quiet, json_path, workload=workload,
                  settings=settings, dim=dim, batch=batch,

@@ -2,8 +2,8 @@
 their gradients and the optimizer's state alone fill the budget, whatever the activations.
 
 Models are built on the ``meta`` device (shapes only, no memory, no initialisation work) and
-the size is bisected in the search's units; the optimizer's state per parameter byte is read
-off a trial's peak (SGD with momentum: 1, Adam: 2).
+the size is bisected in the search's units; the caller reads the optimizer's state per
+parameter byte off a trial's peak (SGD with momentum: 1, Adam: 2).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ def parameter_bytes(workload: Workload, **sizes) -> int:
 
 
 def parameter_state_ceiling(workload: Workload, dim: str, unit: float, budget: int,
-                            optimizer_per_byte: float, limit: int = 1 << 14) -> float | None:
-    """The largest ``dim`` (a multiple of ``unit``) whose parameters, gradients and optimizer
-    state fit ``budget``; None if even the smallest does not, or past ``limit`` units."""
-    per_byte = 2.0 + optimizer_per_byte  # the parameter, its gradient, the optimizer's state
+                            per_byte: float, limit: int = 1 << 14) -> float | None:
+    """The largest ``dim`` (a multiple of ``unit``) at which ``per_byte`` bytes per parameter
+    byte (the parameter, its gradient and the optimizer's state: 3 for SGD with momentum,
+    each rank's share under FSDP) fit ``budget``; None if even the smallest does not, or past
+    ``limit`` units."""
 
     def fits(n: int) -> bool:
         return parameter_bytes(workload, **{dim: n * unit}) * per_byte <= budget

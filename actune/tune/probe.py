@@ -7,6 +7,7 @@ actune.tune.probe``), so an out-of-memory error there poisons nothing, with a ti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -18,9 +19,10 @@ import torch
 
 import actune
 from actune.memory import Peak, StepMeter
-from actune.tune.alternatives import Config, apply_checkpointing, get_config
+from actune.tune.alternatives import Config, apply_checkpointing, get_config, repeated_blocks
 from actune.tune.oom import is_oom
 from actune.tune.search import Probe
+from actune.tune.sharding import Sharding, bucket_bytes, process_group, shard
 from actune.tune.workload import Workload, from_source
 
 __all__ = ["ProbeError", "Trial", "prepare"]
@@ -44,15 +46,21 @@ class Trial:
     mode: str = "estimate"
     device: str = "cpu"
     round_to: int | None = None
+    sharding: Sharding | None = None  # per rank of a data-parallel run (sharding.py)
 
     def __post_init__(self) -> None:  # a Level (or its name) stands for itself alone
         object.__setattr__(self, "config", get_config(self.config))
 
     def _parts(self):
         wl, config, sizes, device = self.workload, self.config, self.sizes, self.device
+        sharding = self.sharding if self.sharding and self.sharding.world_size > 1 else None
+        mesh = (process_group(sharding.world_size) if sharding and sharding.kind == "fsdp"
+                else None)  # made outside fake tensors
 
         def build():
             model = prepare(wl, config, wl.model(**sizes))
+            if mesh is not None:
+                shard(model, sharding, blocks_of(wl, model), mesh)
             return model, wl.optimizer(model.parameters())
 
         def step(model, opt, batch, sink):
@@ -71,10 +79,16 @@ class Trial:
         return StepMeter(*self._parts(), self.mode, self.device, self.round_to)
 
     def peak(self, batch: int) -> Peak:
-        """Peak of one step at ``batch`` (raises on out-of-memory or any other error)."""
+        """Peak of one step at ``batch`` (raises on out-of-memory or any other error); per
+        rank under ``sharding`` (DDP: plus its gradient buckets)."""
         if self.mode == "measure" and torch.device(self.device).type == "cuda":
             return _isolated(self, batch)
-        return self.meter.peak(batch)
+        peak = self.meter.peak(batch)
+        if self.sharding and self.sharding.world_size > 1 and self.sharding.kind == "ddp":
+            buckets = bucket_bytes(self.meter.model)
+            peak = dataclasses.replace(peak, total=peak.total + buckets,
+                                       gradients=peak.gradients + buckets)
+        return peak
 
     def probe(self, batch: int, budget: int) -> Probe:
         """Does ``batch`` fit ``budget``? Out-of-memory means no; other errors propagate."""
@@ -87,13 +101,18 @@ class Trial:
         return Probe(batch, peak.total <= budget, peak.total)
 
 
+def blocks_of(workload: Workload, model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's blocks: the model file's ``checkpoint_blocks(model)``, else its repeated
+    blocks (what ``ckpt`` checkpoints and FSDP shards one by one)."""
+    return list(workload.blocks_fn(model)) if workload.blocks_fn else repeated_blocks(model)
+
+
 def prepare(workload: Workload, config: Config, model: torch.nn.Module) -> torch.nn.Module:
     """``model`` made ready for ``config``'s steps: batch norms allowed in place, and its
     blocks checkpointed if the configuration asks for it."""
     actune.allow_inplace_norms(model)
     if config.checkpoint:
-        blocks = workload.blocks_fn(model) if workload.blocks_fn else None
-        apply_checkpointing(model, blocks)
+        apply_checkpointing(model, blocks_of(workload, model))
     return model
 
 

@@ -8,6 +8,7 @@ say so in their note.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -19,9 +20,10 @@ import actune
 from actune.memory import Budget
 from actune.report import LevelResult, Report
 from actune.tune.alternatives import Config, get_config
-from actune.tune.ceiling import parameter_state_ceiling
+from actune.tune.ceiling import parameter_bytes, parameter_state_ceiling
 from actune.tune.probe import Trial, prepare
 from actune.tune.search import Probe, largest_fitting
+from actune.tune.sharding import Sharding, per_rank_parameter_share, release
 from actune.tune.workload import Workload
 
 #: Scale searches run over integers: depth and width in steps of 1/8 of the default size,
@@ -37,6 +39,15 @@ class Settings:
     mode: str = "estimate"
     device: str = "cpu"
     device_name: str = "CPU"
+    sharding: Sharding | None = None  # per rank of a data-parallel run
+
+    def trial(self, workload: Workload, config, sizes: dict) -> Trial:
+        return Trial(workload, config, sizes, self.mode, self.device, self.round_to,
+                     self.sharding)
+
+    @property
+    def fixed(self) -> dict:
+        return self.sharding.describe() if self.sharding else {}
 
     @property
     def search_budget(self) -> int:
@@ -103,21 +114,36 @@ def maxbatch(workload: Workload, levels: list, settings: Settings, *,
     sizes = sizes or {}
     report = Report("maxbatch", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch",
-                    {k: v for k, v in sizes.items()})
-    for level in map(get_config, levels):
-        trial = Trial(workload, level, sizes, settings.mode, settings.device, settings.round_to)
-        result = largest_fitting(
-            lambda n, t=trial: t.probe(n, settings.budget.bytes), start=start,
-            step=multiple_of, maximum=maximum,
-            budget=settings.search_budget,
-            on_probe=_reporter(on_probe, level))
-        row = _row(level, result.value, probes=_probes(result.probes),
-                          complete=result.complete, capped=result.capped,
-                          note=_note(level, settings))
-        if result.value:
-            _fill(row, trial.peak(result.value), level)
-        _add(report, row, on_level)
+                    {**sizes, **settings.fixed})
+    with _sharded(settings):
+        for level in map(get_config, levels):
+            _maxbatch_level(report, workload, level, settings, sizes, start, multiple_of,
+                            maximum, on_probe, on_level)
     return report
+
+
+@contextlib.contextmanager
+def _sharded(settings: Settings):
+    try:
+        yield
+    finally:
+        if settings.sharding is not None:
+            release()  # the fake process group the trials ran in
+
+
+def _maxbatch_level(report: Report, workload: Workload, level: Config, settings: Settings,
+                    sizes: dict, start: int, multiple_of: int, maximum: int | None,
+                    on_probe: Callable | None, on_level: Callable | None) -> None:
+    trial = settings.trial(workload, level, sizes)
+    result = largest_fitting(
+        lambda n: trial.probe(n, settings.budget.bytes), start=start,
+        step=multiple_of, maximum=maximum, budget=settings.search_budget,
+        on_probe=_reporter(on_probe, level))
+    row = _row(level, result.value, probes=_probes(result.probes),
+               complete=result.complete, capped=result.capped, note=_note(level, settings))
+    if result.value:
+        _fill(row, trial.peak(result.value), level)
+    _add(report, row, on_level)
 
 
 def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch: int,
@@ -136,33 +162,50 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
         raise ValueError(f"--max {maximum:g} is below the smallest {dim} step ({smallest}); "
                          f"give a larger --max")
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
-                    settings.budget.source, settings.mode, dim, {"batch": batch})
-    for level in map(get_config, levels):
-        trials: dict[int, Trial] = {}
-
-        def probe(n: int, level=level, trials=trials) -> Probe:
-            trials[n] = Trial(workload, level, {dim: n * unit}, settings.mode,
-                              settings.device, settings.round_to)
-            p = trials[n].probe(batch, settings.budget.bytes)
-            return Probe(n, p.fits, p.peak)  # the size searched is the dimension, not the batch
-
-        result = largest_fitting(probe, start=start, step=step, maximum=cap,
-                                 budget=settings.search_budget,
-                                 on_probe=_reporter(on_probe, level))
-        value = result.value * unit if result.value else None
-        row = _row(level, value,
-                          probes=[{**p, "size": p["size"] * unit} for p in _probes(result.probes)],
-                          complete=result.complete, capped=result.capped,
-                          note=_note(level, settings))
-        if value:
-            peak = trials[result.value].peak(batch)
-            _fill(row, peak, level)
-            if dim in ("depth", "width") and report.ceiling is None and peak.parameters:
-                report.ceiling = parameter_state_ceiling(
-                    workload, dim, unit, settings.budget.bytes,
-                    peak.optimizer / peak.parameters)
-        _add(report, row, on_level)
+                    settings.budget.source, settings.mode, dim,
+                    {"batch": batch, **settings.fixed})
+    with _sharded(settings):
+        for level in map(get_config, levels):
+            _scale_level(report, workload, level, settings, dim, batch, unit, start, step, cap,
+                         on_probe, on_level)
     return report
+
+
+def _scale_level(report: Report, workload: Workload, level: Config, settings: Settings,
+                 dim: str, batch: int, unit: float, start: int, step: int, cap: int | None,
+                 on_probe: Callable | None, on_level: Callable | None) -> None:
+    trials: dict[int, Trial] = {}
+
+    def probe(n: int) -> Probe:
+        trials[n] = settings.trial(workload, level, {dim: n * unit})
+        p = trials[n].probe(batch, settings.budget.bytes)
+        return Probe(n, p.fits, p.peak)  # the size searched is the dimension, not the batch
+
+    result = largest_fitting(probe, start=start, step=step, maximum=cap,
+                             budget=settings.search_budget, on_probe=_reporter(on_probe, level))
+    value = result.value * unit if result.value else None
+    row = _row(level, value,
+               probes=[{**p, "size": p["size"] * unit} for p in _probes(result.probes)],
+               complete=result.complete, capped=result.capped, note=_note(level, settings))
+    if value:
+        peak = trials[result.value].peak(batch)
+        _fill(row, peak, level)
+        if dim in ("depth", "width") and report.ceiling is None:
+            report.ceiling = _ceiling(workload, dim, unit, value, peak, settings)
+    _add(report, row, on_level)
+
+
+def _ceiling(workload: Workload, dim: str, unit: float, value: float, peak,
+             settings: Settings) -> float | None:
+    """The parameter-state ceiling, with the optimizer's bytes per parameter byte read off
+    ``peak`` (a trial at ``value``) and, under sharding, each rank's share."""
+    share, extra = per_rank_parameter_share(settings.sharding)
+    full = parameter_bytes(workload, **{dim: value})
+    if not full:
+        return None
+    optimizer = peak.optimizer / (full * share)
+    return parameter_state_ceiling(workload, dim, unit, settings.budget.bytes,
+                                   share * (2 + optimizer) + extra)
 
 
 def throughput(workload: Workload, level, batch: int, sizes: dict, device: str,

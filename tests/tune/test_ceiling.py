@@ -12,11 +12,11 @@ from actune.tune.workload import builtin
 def test_the_ceiling_is_the_largest_size_whose_parameter_state_fits():
     workload = builtin("resnet18")
     budget = 600 * 2**20
-    width = parameter_state_ceiling(workload, "width", 0.125, budget, optimizer_per_byte=1.0)
+    width = parameter_state_ceiling(workload, "width", 0.125, budget, per_byte=3.0)
     assert width is not None and width % 0.125 == 0
     assert 3 * parameter_bytes(workload, width=width) <= budget
     assert 3 * parameter_bytes(workload, width=width + 0.125) > budget
-    assert parameter_state_ceiling(workload, "width", 0.125, 1000, 1.0) is None  # not even 1/8
+    assert parameter_state_ceiling(workload, "width", 0.125, 1000, 3.0) is None  # not even 1/8
 
 
 def test_scale_reports_the_ceiling_above_every_level(tmp_path):
