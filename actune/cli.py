@@ -12,7 +12,14 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 
@@ -189,8 +196,13 @@ def _progress(quiet: bool):
     if quiet:
         return contextlib.nullcontext(None)
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                    TextColumn("{task.completed}/{task.total} levels"), TimeElapsedColumn(),
+                    TextColumn("{task.fields[done]}/{task.fields[levels]} levels"),
+                    TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
                     console=console, transient=True)
+
+
+#: Trials a level's search typically takes (docs/tuning.md: 4-9): the progress bar's unit
+TRIALS_PER_LEVEL = 5
 
 
 def _write_json(data, path: Path) -> None:
@@ -212,18 +224,25 @@ class _Latest:
 def _callbacks(progress, levels, json_path: Path | None, latest: _Latest):
     from actune.report import human_bytes
 
-    task = progress.add_task("starting", total=len(levels)) if progress else None
+    per = TRIALS_PER_LEVEL
+    task = (progress.add_task("starting", total=len(levels) * per, done=0, levels=len(levels))
+            if progress else None)
+    state = {"done": 0, "tried": 0}  # levels finished; trials of the level under way
 
     def on_probe(level, p):
         if progress:
             peak = f", peak {human_bytes(p.peak)}" if p.peak else ""
             verdict = "fits" if p.fits else "does not fit"
-            progress.update(task, description=f"{level.name}: size {p.size:,} {verdict}{peak}")
+            state["tried"] += 1
+            progress.update(task, description=f"{level.name}: trial {state['tried']}, size "
+                            f"{p.size:,} {verdict}{peak}",
+                            completed=state["done"] * per + min(state["tried"], per - 1))
 
     def on_level(report):
         latest.report = report
         if progress:
-            progress.advance(task)
+            state["done"], state["tried"] = len(report.levels), 0
+            progress.update(task, completed=state["done"] * per, done=state["done"])
         if json_path is not None:
             _write_json(report, json_path)
 
