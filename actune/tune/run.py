@@ -9,6 +9,7 @@ say so in their note.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -115,11 +116,39 @@ def maxbatch(workload: Workload, levels: list, settings: Settings, *,
     report = Report("maxbatch", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch",
                     {**sizes, **settings.fixed})
+    done: list[tuple[Config, LevelResult]] = []
     with _sharded(settings):
         for level in map(get_config, levels):
-            _maxbatch_level(report, workload, level, settings, sizes, start, multiple_of,
-                            maximum, on_probe, on_level)
+            row = (_same_as_before(done, level, settings)
+                   or _maxbatch_level(workload, level, settings, sizes, start, multiple_of,
+                                      maximum, on_probe))
+            done.append((level, row))
+            _add(report, row, on_level)
     return report
+
+
+def _estimated_as(config: Config) -> Config:
+    """What an estimate runs ``config`` as, names apart: the CUDA allocator settings
+    (``defrag``, L5) do not change a tracked step, so L5 is estimated as L4."""
+    return dataclasses.replace(config, level=config.level.with_(name="", description="",
+                                                                defrag=False))
+
+
+def _same_as_before(done: list[tuple[Config, LevelResult]], config: Config,
+                    settings: Settings) -> LevelResult | None:
+    """In an estimate, a configuration that runs as one already searched (L5 after L4) takes
+    its row under its own name, with no trials of its own (none is repeated)."""
+    if settings.mode != "estimate":
+        return None
+    twin = _estimated_as(config)
+    earlier = next(((c, row) for c, row in done if _estimated_as(c) == twin and row.complete),
+                   None)
+    if earlier is None:
+        return None
+    note = "; ".join(n for n in (_note(config, settings), f"estimated as {earlier[0].name}")
+                     if n)
+    return dataclasses.replace(earlier[1], level=config.name, base_level=config.level.name,
+                               note=note, probes=[])
 
 
 @contextlib.contextmanager
@@ -131,9 +160,9 @@ def _sharded(settings: Settings):
             release()  # the fake process group the trials ran in
 
 
-def _maxbatch_level(report: Report, workload: Workload, level: Config, settings: Settings,
-                    sizes: dict, start: int, multiple_of: int, maximum: int | None,
-                    on_probe: Callable | None, on_level: Callable | None) -> None:
+def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes: dict,
+                    start: int, multiple_of: int, maximum: int | None,
+                    on_probe: Callable | None) -> LevelResult:
     trial = settings.trial(workload, level, sizes)
     result = largest_fitting(
         lambda n: trial.probe(n, settings.budget.bytes), start=start,
@@ -143,7 +172,7 @@ def _maxbatch_level(report: Report, workload: Workload, level: Config, settings:
                complete=result.complete, capped=result.capped, note=_note(level, settings))
     if result.value:
         _fill(row, trial.peak(result.value), level)
-    _add(report, row, on_level)
+    return row
 
 
 def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch: int,
@@ -164,16 +193,20 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, dim,
                     {"batch": batch, **settings.fixed})
+    done: list[tuple[Config, LevelResult]] = []
     with _sharded(settings):
         for level in map(get_config, levels):
-            _scale_level(report, workload, level, settings, dim, batch, unit, start, step, cap,
-                         on_probe, on_level)
+            row = (_same_as_before(done, level, settings)
+                   or _scale_level(report, workload, level, settings, dim, batch, unit, start,
+                                   step, cap, on_probe))
+            done.append((level, row))
+            _add(report, row, on_level)
     return report
 
 
 def _scale_level(report: Report, workload: Workload, level: Config, settings: Settings,
                  dim: str, batch: int, unit: float, start: int, step: int, cap: int | None,
-                 on_probe: Callable | None, on_level: Callable | None) -> None:
+                 on_probe: Callable | None) -> LevelResult:
     trials: dict[int, Trial] = {}
 
     def probe(n: int) -> Probe:
@@ -192,7 +225,7 @@ def _scale_level(report: Report, workload: Workload, level: Config, settings: Se
         _fill(row, peak, level)
         if dim in ("depth", "width") and report.ceiling is None:
             report.ceiling = _ceiling(workload, dim, unit, value, peak, settings)
-    _add(report, row, on_level)
+    return row
 
 
 def _ceiling(workload: Workload, dim: str, unit: float, value: float, peak,

@@ -346,3 +346,14 @@ def test_progress_shows_the_trial_its_size_and_the_time_left():
     assert progress.tasks[0].description.startswith("L3: trial 1, size 8")
     names = [type(c).__name__ for c in progress.columns]
     assert "TimeRemainingColumn" in names
+
+
+def test_an_estimate_of_l5_reuses_l4s_search(tmp_path):
+    out = tmp_path / "r.json"
+    result = run("maxbatch", "--model", "tinycnn", "--budget", "64MiB", "--levels", "L4,L5",
+                 "--json", str(out))
+    assert result.exit_code == 0, result.output
+    l4, l5 = json.loads(out.read_text())["levels"]
+    assert l5["value"] == l4["value"] and l5["peak_bytes"] == l4["peak_bytes"]
+    assert l4["probes"] and l5["probes"] == [] and "estimated as L4" in l5["note"]
+    assert f"{len(l4['probes'])} probes in" in result.output
