@@ -8,6 +8,9 @@ parameter byte off a trial's peak (SGD with momentum: 1, Adam: 2).
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from actune.tune.workload import Workload
@@ -34,6 +37,19 @@ def parameter_state_ceiling(workload: Workload, dim: str, unit: float, budget: i
 
     if not fits(1):
         return None
+    # parameter bytes are a polynomial of degree <= 2 in depth or width (once every stage has
+    # a block of its own): predict the answer from the default size, twice and four times it
+    # (8, 16, 32 eighths), then check it and its neighbour (large builds are slow)
+    sizes = (8, 16, 32)
+    cost = [parameter_bytes(workload, **{dim: n * unit}) * per_byte for n in sizes]
+    guess = _solve(sizes, cost, budget)
+    if guess is not None and 1 <= guess < limit:  # blocks round per stage: walk to the edge
+        up = fits(guess)
+        for _ in range(4):
+            nxt = guess + 1 if up else guess - 1
+            if nxt < 1 or fits(nxt) != up:
+                return (guess if up else nxt) * unit
+            guess = nxt
     lo, hi = 1, 2
     while fits(hi):
         lo, hi = hi, hi * 2
@@ -43,3 +59,12 @@ def parameter_state_ceiling(workload: Workload, dim: str, unit: float, budget: i
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * unit
+
+
+def _solve(xs: tuple[int, ...], ys: list[float], target: float) -> int | None:
+    """The largest integer x where the parabola through (xs, ys) stays within ``target``."""
+    a, b, c = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 2)
+    roots = np.roots([a, b, c - target]) if abs(a) > 1e-12 * abs(b or 1) else (
+        np.array([(target - c) / b]) if b else np.array([]))
+    real = [r.real for r in np.atleast_1d(roots) if abs(r.imag) < 1e-9 and r.real > 0]
+    return math.floor(min(real) + 1e-9) if real else None
