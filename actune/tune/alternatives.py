@@ -22,7 +22,7 @@ import torch
 import torch.utils.checkpoint as checkpoint
 from torch import nn
 
-from actune.levels import L0, Level, get_level, parse_levels
+from actune.levels import L0, Level, parse_levels
 from actune.saved import offload_simulated
 
 __all__ = ["MODIFIERS", "Config", "apply_checkpointing", "parse_configs", "repeated_blocks"]
@@ -120,8 +120,9 @@ def get_config(name: str | Level | Config) -> Config:
         return name
     if isinstance(name, Level):
         return Config(name)
-    found = parse_configs(name) if "+" in name or name.lower() in MODIFIERS else [
-        Config(get_level(name))]
+    found = parse_configs(name)
+    if len(found) != 1:
+        raise ValueError(f"{name!r} names {len(found)} configurations; give one (L3, L3+ckpt)")
     return found[0]
 
 

@@ -32,8 +32,11 @@ def parameter_state_ceiling(workload: Workload, dim: str, unit: float, budget: i
     each rank's share under FSDP) fit ``budget``; None if even the smallest does not, or past
     ``limit`` units."""
 
+    def state(n: int) -> float:
+        return parameter_bytes(workload, **{dim: n * unit}) * per_byte
+
     def fits(n: int) -> bool:
-        return parameter_bytes(workload, **{dim: n * unit}) * per_byte <= budget
+        return state(n) <= budget
 
     if not fits(1):
         return None
@@ -41,8 +44,7 @@ def parameter_state_ceiling(workload: Workload, dim: str, unit: float, budget: i
     # a block of its own): predict the answer from the default size, twice and four times it
     # (8, 16, 32 eighths), then check it and its neighbour (large builds are slow)
     sizes = (8, 16, 32)
-    cost = [parameter_bytes(workload, **{dim: n * unit}) * per_byte for n in sizes]
-    guess = _solve(sizes, cost, budget)
+    guess = _solve(sizes, [state(n) for n in sizes], budget)
     if guess is not None and 1 <= guess < limit:  # blocks round per stage: walk to the edge
         up = fits(guess)
         for _ in range(4):

@@ -50,10 +50,12 @@ class Trial:
 
     def __post_init__(self) -> None:  # a Level (or its name) stands for itself alone
         object.__setattr__(self, "config", get_config(self.config))
+        if self.sharding is not None and self.sharding.world_size == 1:
+            object.__setattr__(self, "sharding", None)  # one rank: nothing is spread
 
     def _parts(self):
         wl, config, sizes, device = self.workload, self.config, self.sizes, self.device
-        sharding = self.sharding if self.sharding and self.sharding.world_size > 1 else None
+        sharding = self.sharding
         mesh = (process_group(sharding.world_size) if sharding and sharding.kind == "fsdp"
                 else None)  # made outside fake tensors
 
@@ -84,7 +86,7 @@ class Trial:
         if self.mode == "measure" and torch.device(self.device).type == "cuda":
             return _isolated(self, batch)
         peak = self.meter.peak(batch)
-        if self.sharding and self.sharding.world_size > 1 and self.sharding.kind == "ddp":
+        if self.sharding and self.sharding.kind == "ddp":
             buckets = bucket_bytes(self.meter.model)
             peak = dataclasses.replace(peak, total=peak.total + buckets,
                                        gradients=peak.gradients + buckets)

@@ -116,15 +116,22 @@ def maxbatch(workload: Workload, levels: list, settings: Settings, *,
     report = Report("maxbatch", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch",
                     {**sizes, **settings.fixed})
+    _each_level(report, levels, settings, on_level, lambda level: _maxbatch_level(
+        workload, level, settings, sizes, start, multiple_of, maximum, on_probe))
+    return report
+
+
+def _each_level(report: Report, levels: list, settings: Settings,
+                on_level: Callable | None, search: Callable[[Config], LevelResult]) -> None:
+    """Search each configuration in turn (in an estimate, one that runs as an earlier one
+    takes its answer), adding each row as it finishes; the fake process group of a sharded
+    job ends with it."""
     done: list[tuple[Config, LevelResult]] = []
     with _sharded(settings):
         for level in map(get_config, levels):
-            row = (_same_as_before(done, level, settings)
-                   or _maxbatch_level(workload, level, settings, sizes, start, multiple_of,
-                                      maximum, on_probe))
+            row = _same_as_before(done, level, settings) or search(level)
             done.append((level, row))
             _add(report, row, on_level)
-    return report
 
 
 def _estimated_as(config: Config) -> Config:
@@ -193,14 +200,8 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, dim,
                     {"batch": batch, **settings.fixed})
-    done: list[tuple[Config, LevelResult]] = []
-    with _sharded(settings):
-        for level in map(get_config, levels):
-            row = (_same_as_before(done, level, settings)
-                   or _scale_level(report, workload, level, settings, dim, batch, unit, start,
-                                   step, cap, on_probe))
-            done.append((level, row))
-            _add(report, row, on_level)
+    _each_level(report, levels, settings, on_level, lambda level: _scale_level(
+        report, workload, level, settings, dim, batch, unit, start, step, cap, on_probe))
     return report
 
 
