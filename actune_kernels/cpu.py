@@ -1,33 +1,43 @@
 """Numba CPU kernels: parallel over groups, one pass over the input.
 
 Each group is read into cache once for its min and max, then quantized while it is still there:
-one code a byte into a scratch buffer in a unit-stride loop, in 32-bit integer arithmetic
-(so it vectorizes with AVX2 as with AVX-512), then gathered into whole bytes by small
-functions called with constant ``bits`` (specialised per width). A slow, general loop handles
-the last partial group and groups whose random stream crosses a 2**32 boundary. Parallel tasks
-take ``_CHUNK`` groups each.
+one code a byte into a scratch buffer in a unit-stride loop, then joined into whole bytes a
+word at a time. The loops are written so that LLVM vectorizes them with AVX2 as with AVX-512:
+
+- every value stays in 32-bit lanes for float32 (Numba widens integer arithmetic to 64 bits,
+  which AVX2 cannot multiply or compare as vectors; each step is cast back, and a product's
+  or sum's low 32 bits do not depend on the width it is computed in);
+- hot loops index with unsigned offsets, so Numba emits no negative-index wraparound (with it,
+  LLVM could not prove the accesses contiguous and loaded each element with a gather);
+- one group function per width (:func:`_group_kernel`), so the width is a constant in its
+  loops and the codes are joined into bytes a scratch word at a time;
+- the metadata's powers of two come from float bits, not libm calls (:mod:`cpu_scalar`).
+
+A slow, general loop handles the last partial group and groups whose random stream crosses a
+2**32 boundary. Parallel tasks take ``_CHUNK`` groups each.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 
 from . import layout
-from .scalar import INV_2_24, MASK32, MUL1, MUL2, build
+from .cpu_scalar import SCALAR, order_key, random24_u32
+from .scalar import INV_2_24, MASK32
 
-_s = build(numba.njit(inline="always"))
-_stream_key = _s.stream_key
-_random24 = _s.random24
-_group_meta = _s.group_meta
-_meta_values = _s.meta_values
-
+_inline = numba.njit(inline="always")
+#: Helpers compiled once and linked into the kernels (LLVM may still inline them): Numba's own
+#: inlining would type them again in every caller and multiply the compile time.
 _jit = numba.njit(cache=True, nogil=True)
+_stream_key = SCALAR.stream_key
+_random24 = SCALAR.random24
+_group_meta = SCALAR.group_meta
+_meta_values = SCALAR.meta_values
+
 _U32 = np.uint32
-_S8 = _U32(8)
+_U64 = np.uint64
 #: Groups a parallel task packs in turn, sharing one scratch buffer.
 _CHUNK = 16
 #: Per input dtype: the signed integer view, the sign shift, the magnitude mask and the
@@ -39,132 +49,94 @@ _BITS = {
 }
 
 
-@intrinsic
-def _mix32_i32(typingctx, x):
-    """:func:`scalar._mix32` of a uint32, emitted as 32-bit LLVM operations. Numba widens
-    integer arithmetic to 64 bits, which AVX2 cannot multiply as vectors; a product's low 32
-    bits do not depend on the width it is computed in, so the bits are the same."""
-    if x != types.uint32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        v = args[0]
-        for shift, mul in ((16, MUL1), (15, MUL2)):
-            v = builder.xor(v, builder.lshr(v, ir.Constant(i32, shift)))
-            v = builder.mul(v, ir.Constant(i32, mul))
-        return builder.xor(v, builder.lshr(v, ir.Constant(i32, 16)))
-
-    return types.uint32(types.uint32), codegen
-
-
-@numba.njit(inline="always")
-def _random24_u32(key, index):  # pragma: no cover - jitted
-    """:func:`scalar.random24` for uint32 ``key`` and ``index``, as int32 (exactly converted
-    to float: 24 bits)."""
-    return np.int32(_mix32_i32(_U32(index ^ key)) >> _S8)
-
-
-@numba.njit(inline="always")
-def _order_key(w, shift, magnitude):  # pragma: no cover - jitted
-    """Signed integer with the order of the float whose bits are ``w`` (an involution)."""
-    return w ^ ((w >> shift) & magnitude)
-
-
 @_jit
-def _min_max(words, start, stop, shift, magnitude, inf_key, positive):  # pragma: no cover
-    """float64 min (of the positive values only, if ``positive``: +inf when there are none)
-    and max of the non-empty group ``words[start:stop]``, and whether it holds NaN or inf.
+def _min_max(words, start, count, magnitude, inf_key, positive):  # pragma: no cover - jitted
+    """Order keys (see :func:`cpu_scalar.order_key`) of the min (of the positive values only, if
+    ``positive``: +inf's key when there are none) and max of ``words[start:start + count]``
+    (the floats' bits as signed integers), and whether the group holds NaN or inf (keys
+    beyond +-inf's). Integer min/max vectorizes where float min/max does not."""
+    kt = words.dtype.type  # 32-bit lanes for float32
+    mag = kt(magnitude)
+    inf = kt(inf_key)
+    lo = inf
+    hi = kt(-inf)
+    s = _U64(start)
+    if positive:
+        lo_pos = inf
+        for i in range(count):
+            w = words[s + _U64(i)]
+            k = kt(w ^ mag) if w < 0 else w
+            lo = kt(min(lo, k))
+            hi = kt(max(hi, k))
+            lo_pos = kt(min(lo_pos, k if k > 0 else inf))
+        return lo_pos, hi, hi >= inf or lo < -inf
+    for i in range(count):
+        w = words[s + _U64(i)]
+        k = kt(w ^ mag) if w < 0 else w
+        lo = kt(min(lo, k))
+        hi = kt(max(hi, k))
+    return lo, hi, hi >= inf or lo < -inf
 
-    Works on the float bits (``words``: the input viewed as signed integers) mapped to
-    order-preserving keys: integer min/max vectorizes where float min/max does not, and NaN
-    and inf are the keys beyond +-inf's. (Groups are addressed by offsets, not slices: a slice
-    costs two atomic reference-count updates, on one counter shared by every thread.)
-    """
-    lo = inf_key
-    lo_pos = inf_key
-    hi = -inf_key
-    for i in range(start, stop):
-        k = _order_key(words[i], shift, magnitude)
-        lo = min(lo, k)
-        lo_pos = min(lo_pos, k if k > 0 else inf_key)
-        hi = max(hi, k)
-    bad = hi >= inf_key or lo < -inf_key
-    lo = _order_key(lo_pos if positive else lo, shift, magnitude)
-    hi = _order_key(hi, shift, magnitude)
-    if words.itemsize == 4:
-        return float(np.int32(lo).view(np.float32)), float(np.int32(hi).view(np.float32)), bad
-    return float(np.int64(lo).view(np.float64)), float(np.int64(hi).view(np.float64)), bad
 
-
-@numba.njit(inline="always")
+@_inline
 def _code(x, fl, up, base, top, zero_code):  # pragma: no cover - jitted
     """The code of element ``x`` at grid position ``fl`` (+1 when rounded ``up``), clamped to
-    [base, top]; in zero-code mode (base 1) code 0 marks an exact zero. Branch-free, so the
-    loops around it vectorize."""
+    [base, top]; in zero-code mode (base 1) code 0 marks an exact zero (the general loop)."""
     lowest = np.int32(base)
     c = min(max(np.int32(fl) + np.int32(up) + lowest, lowest), np.int32(top))
     return np.uint8(c * np.int32(x > 0 or not zero_code))
 
 
-@numba.njit(inline="always")
-def _gather_bytes(scratch, out, at, nbytes, per, bits):  # pragma: no cover - jitted
-    """Pack the codes in ``scratch`` (one a byte) into ``out[at:at + nbytes]``, ``per`` codes
-    a byte."""
-    for k in range(nbytes):
-        byte = np.uint8(0)
-        for j in range(per):
-            byte |= scratch[k * per + j] << (bits * j)
-        out[at + k] = byte
-
-
 @_jit
-def _bytes_stochastic(x, start, out, at, nbytes, scratch, lo, inv, base, top, zero_code, key,
-                      low0, per, bits):  # pragma: no cover - jitted
-    """The whole bytes of the group at ``x[start]``, stochastic rounding; ``per`` = 8 //
-    ``bits`` codes a byte. The codes are computed one a byte in a unit-stride loop in 32-bit
-    integer arithmetic (it vectorizes with AVX2 as with AVX-512), then gathered."""
+def _codes_stochastic(x, start, count, dst, off, lo, inv, top, zero_code, key32,
+                      low32):  # pragma: no cover - jitted
+    """One code a byte at ``dst[off:]`` for ``x[start:start + count]``, stochastic rounding.
+    ``v >= 0`` (lo <= the group's min), so int32 truncation is the floor and no clamp below
+    is needed; the random stream's index is ``low32 + i`` (no 2**32 crossing)."""
     t = x.dtype.type
-    u_step = t(INV_2_24)
-    key32 = _U32(key)
-    low32 = _U32(low0)
-    dst, off = (out, at) if per == 1 else (scratch, 0)  # 8 bits: the codes are the bytes
-    for i in range(nbytes * per):
-        xi = x[start + i]
+    u = t(INV_2_24)
+    s = _U64(start)
+    o = _U64(off)
+    one = np.int32(zero_code)
+    for i in range(count):
+        xi = x[s + _U64(i)]
         v = (xi - lo) * inv
-        fl = t(np.int32(v))  # floor: v >= 0 (lo <= the group's min); no libm call
-        r = t(_random24_u32(key32, _U32(low32 + _U32(i)))) * u_step
-        dst[off + i] = _code(xi, fl, r < v - fl, base, top, zero_code)
-    if per != 1:
-        _gather_bytes(scratch, out, at, nbytes, per, bits)
+        vi = np.int32(v)
+        r = t(random24_u32(key32, _U32(low32 + _U32(i)))) * u
+        c = np.int32(min(np.int32(vi + np.int32(r < v - t(vi)) + one), top))
+        if zero_code:
+            c = c if xi > 0 else np.int32(0)
+        dst[o + _U64(i)] = np.uint8(c)
 
 
 @_jit
-def _bytes_nearest(x, start, out, at, nbytes, scratch, lo, inv, base, top, zero_code, per,
-                   bits):  # pragma: no cover - jitted
-    """The whole bytes of a group, round to nearest (halves up)."""
+def _codes_nearest(x, start, count, dst, off, lo, inv, top, zero_code):  # pragma: no cover
+    """As :func:`_codes_stochastic`, rounding to nearest (halves up)."""
     t = x.dtype.type
     half = t(0.5)
-    dst, off = (out, at) if per == 1 else (scratch, 0)  # 8 bits: the codes are the bytes
-    for i in range(nbytes * per):
-        xi = x[start + i]
+    s = _U64(start)
+    o = _U64(off)
+    one = np.int32(zero_code)
+    for i in range(count):
+        xi = x[s + _U64(i)]
         v = (xi - lo) * inv
-        fl = t(np.int32(v))  # floor: v >= 0
-        dst[off + i] = _code(xi, fl, v - fl >= half, base, top, zero_code)
-    if per != 1:
-        _gather_bytes(scratch, out, at, nbytes, per, bits)
+        vi = np.int32(v)
+        c = np.int32(min(np.int32(vi + np.int32(v - t(vi) >= half) + one), top))
+        if zero_code:
+            c = c if xi > 0 else np.int32(0)
+        dst[o + _U64(i)] = np.uint8(c)
 
 
 @_jit
-def _bytes_any(x, start, stop, out, at, group_bytes, lo, inv, base, top, zero_code, seed, idx0,
-               stochastic, per, bits):  # pragma: no cover - jitted
+def _bytes_any(x, start, count, out, at, group_bytes, lo, inv, base, top, zero_code, seed,
+               idx0, stochastic, per, bits):  # pragma: no cover - jitted
     """Any group: the tail group, or one whose stream index crosses a 2**32 boundary
     (``idx0``: the index of ``x[start]`` in the stream ``seed``)."""
     t = x.dtype.type
     u_step = t(INV_2_24)
     for k in range(at, min(at + group_bytes, out.size)):  # the group's bytes, padding included
         out[k] = 0
-    for i in range(stop - start):
+    for i in range(count):
         xi = x[start + i]
         v = (xi - lo) * inv
         fl = np.floor(v)
@@ -178,71 +150,111 @@ def _bytes_any(x, start, stop, out, at, group_bytes, lo, inv, base, top, zero_co
 
 
 @_jit
-def _pack_group(x, start, stop, out, at, scratch, lo, inv, base, top, zero_code, seed, idx0,
-                stochastic, group_size, bits):  # pragma: no cover - jitted
-    key = _stream_key(seed, idx0 >> 32)
-    q = (scratch, lo, inv, base, top, zero_code)
-    nbytes = group_size * bits // 8
-    if stop - start < group_size or (idx0 >> 32) != ((idx0 + group_size - 1) >> 32):
-        _bytes_any(x, start, stop, out, at, nbytes, lo, inv, base, top, zero_code, seed, idx0,
-                   stochastic, 8 // bits, bits)
-    elif stochastic:
-        low0 = idx0 & MASK32
-        if bits == 1:
-            _bytes_stochastic(x, start, out, at, nbytes, *q, key, low0, 8, 1)
-        elif bits == 2:
-            _bytes_stochastic(x, start, out, at, nbytes, *q, key, low0, 4, 2)
-        elif bits == 4:
-            _bytes_stochastic(x, start, out, at, nbytes, *q, key, low0, 2, 4)
+def _meta(mn, mx, levels, zero_code):  # pragma: no cover - jitted
+    """:func:`scalar.group_meta`, compiled once."""
+    return _group_meta(mn, mx, levels, zero_code)
+
+
+def _group_kernel(bits: int):
+    """The jitted function that packs one group at ``bits`` (``bits`` is a constant in it)."""
+    per = 8 // bits
+    levels = (1 << bits) - 1
+    step = 8 - bits  # code j of a scratch word sits at bit 8j; it goes to bit bits*j
+
+    @_jit
+    def join(wide, codes, at, nbytes):  # pragma: no cover - jitted
+        """Bytes of ``per`` codes from the scratch words (one code a byte each)."""
+        wt = wide.dtype.type
+        a = _U64(at)
+        for k in range(nbytes):
+            w = wide[_U64(k)]
+            w = wt(w | wt(w >> wt(step)))
+            if per >= 4:
+                w = wt(w | wt(w >> wt(2 * step)))
+            if per == 8:
+                w = wt(w | wt(w >> wt(4 * step)))
+            codes[a + _U64(k)] = np.uint8(w & wt(0xFF))
+
+    @_jit
+    def group(x, words, start, group_size, codes, at, meta, g, scratch, wide, magnitude,
+              inf_key, seed, idx0, stochastic, zero_code):  # pragma: no cover - jitted
+        """The group of ``x[start:]`` (``idx0``: its index in the random stream ``seed``):
+        its metadata in ``meta[g]``, its codes from ``codes[at]``."""
+        t = x.dtype.type
+        gbytes = group_size * bits // 8
+        count = min(group_size, x.size - start)
+        full = count == group_size
+        klo, khi, bad = _min_max(words, start, count, magnitude, inf_key, zero_code)
+        a = order_key(klo, words.itemsize * 8 - 1, magnitude)
+        b = order_key(khi, words.itemsize * 8 - 1, magnitude)
+        if words.itemsize == 4:
+            mn = float(np.int32(a).view(np.float32))
+            mx = float(np.int32(b).view(np.float32))
         else:
-            _bytes_stochastic(x, start, out, at, nbytes, *q, key, low0, 1, 8)
-    elif bits == 1:
-        _bytes_nearest(x, start, out, at, nbytes, *q, 8, 1)
-    elif bits == 2:
-        _bytes_nearest(x, start, out, at, nbytes, *q, 4, 2)
-    elif bits == 4:
-        _bytes_nearest(x, start, out, at, nbytes, *q, 2, 4)
-    else:
-        _bytes_nearest(x, start, out, at, nbytes, *q, 1, 8)
+            mn = float(np.int64(a).view(np.float64))
+            mx = float(np.int64(b).view(np.float64))
+        lo_word, scale_word, lo64, scale64 = _meta(np.nan if bad else mn, mx,
+                                                   float(levels - zero_code), zero_code)
+        meta[g, 0] = lo_word
+        meta[g, 1] = scale_word
+        if lo_word == layout.NAN16:
+            for k in range(at, min(at + gbytes, codes.size)):
+                codes[k] = 0
+            return
+        scale = t(scale64)
+        inv = t(1) / scale if scale > 0 else scale
+        lo = t(lo64)
+        if not full or (idx0 >> 32) != ((idx0 + group_size - 1) >> 32):
+            _bytes_any(x, start, count, codes, at, gbytes, lo, inv, t(zero_code), t(levels),
+                       zero_code, seed, idx0, stochastic, per, bits)
+            return
+        dst, off = (codes, at) if per == 1 else (scratch, 0)  # 8 bits: the codes are the bytes
+        if stochastic:
+            _codes_stochastic(x, start, group_size, dst, off, lo, inv, np.int32(levels),
+                              zero_code, _U32(_stream_key(seed, idx0 >> 32)),
+                              _U32(idx0 & MASK32))
+        else:
+            _codes_nearest(x, start, group_size, dst, off, lo, inv, np.int32(levels), zero_code)
+        if per != 1:
+            join(wide, codes, at, gbytes)
+
+    return group
+
+
+_G1, _G2, _G4, _G8 = (_group_kernel(b) for b in layout.SUPPORTED_BITS)
 
 
 @numba.njit(inline="always")
-def _quantize_group(x, words, start, stop, out, at, scratch, meta, g, shift, magnitude,
-                    inf_key, bits, group_size, seed, idx0, stochastic,
-                    zero_code):  # pragma: no cover - jitted
-    """Group ``g`` (``x[start:stop]``, its codes at ``out[at]``): its metadata from its min
-    and max, then its codes (zero for NaN/inf)."""
-    t = x.dtype.type
-    levels = (1 << bits) - 1
-    mn, mx, bad = _min_max(words, start, stop, shift, magnitude, inf_key, zero_code)
-    lo_word, scale_word, lo64, scale64 = _group_meta(
-        np.nan if bad else mn, mx, float(levels - zero_code), zero_code)
-    meta[g, 0] = lo_word
-    meta[g, 1] = scale_word
-    if lo_word == layout.NAN16:
-        for k in range(at, min(at + group_size * bits // 8, out.size)):
-            out[k] = 0
-        return
-    scale = t(scale64)
-    inv = t(1) / scale if scale > 0 else scale
-    base_code = t(1) if zero_code else t(0)  # zero-code mode: code 0 is an exact zero
-    _pack_group(x, start, stop, out, at, scratch, t(lo64), inv, base_code, t(levels),
-                zero_code, seed, idx0, stochastic, group_size, bits)
+def _group_at(bits, x, words, start, group_size, codes, at, meta, g, scratch, w16, w32, w64,
+              magnitude, inf_key, seed, idx0, stochastic, zero_code):  # pragma: no cover
+    """Pack one group with the function compiled for its width."""
+    if bits == 1:
+        _G1(x, words, start, group_size, codes, at, meta, g, scratch, w64, magnitude, inf_key,
+            seed, idx0, stochastic, zero_code)
+    elif bits == 2:
+        _G2(x, words, start, group_size, codes, at, meta, g, scratch, w32, magnitude, inf_key,
+            seed, idx0, stochastic, zero_code)
+    elif bits == 4:
+        _G4(x, words, start, group_size, codes, at, meta, g, scratch, w16, magnitude, inf_key,
+            seed, idx0, stochastic, zero_code)
+    else:
+        _G8(x, words, start, group_size, codes, at, meta, g, scratch, scratch, magnitude,
+            inf_key, seed, idx0, stochastic, zero_code)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _pack(x, words, shift, magnitude, inf_key, codes, meta, bits, group_size, seed, base,
-          stochastic, zero_code):  # pragma: no cover - jitted
-    n = x.size
+def _pack(x, words, magnitude, inf_key, codes, meta, bits, group_size, seed, base, stochastic,
+          zero_code):  # pragma: no cover - jitted
     groups = meta.shape[0]
     group_bytes = group_size * bits // 8
     for c in prange((groups + _CHUNK - 1) // _CHUNK):
         scratch = np.empty(group_size, np.uint8)  # one code a byte, reused by the chunk
+        w16, w32, w64 = scratch.view(np.uint16), scratch.view(np.uint32), scratch.view(np.uint64)
         for g in range(c * _CHUNK, min((c + 1) * _CHUNK, groups)):
             start = g * group_size
-            _quantize_group(x, words, start, min(start + group_size, n), codes,
-                            g * group_bytes, scratch, meta, g, shift, magnitude, inf_key,
-                            bits, group_size, seed, base + start, stochastic, zero_code)
+            _group_at(bits, x, words, start, group_size, codes, g * group_bytes, meta, g,
+                      scratch, w16, w32, w64, magnitude, inf_key, seed, base + start,
+                      stochastic, zero_code)
 
 
 @numba.njit(inline="always")
@@ -253,7 +265,7 @@ def _value(q, lo, scale, zero_code, t):  # pragma: no cover - jitted
     return lo + t(q) * scale
 
 
-@_jit
+@numba.njit(cache=True, nogil=True)
 def _unpack_bytes(src, ys, lo, scale, zero_code, mask, per, bits):  # pragma: no cover
     t = ys.dtype.type
     for k in range(src.size):
@@ -305,8 +317,8 @@ def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_si
     code 0 for exact zeros (for tensors >= 0, such as ReLU outputs; bits >= 2).
     """
     if x.size:
-        view, shift, magnitude, inf_key = _BITS[x.dtype]
-        _pack(x, x.view(view), shift, magnitude, inf_key, codes, meta, bits, group_size,
+        view, _, magnitude, inf_key = _BITS[x.dtype]
+        _pack(x, x.view(view), magnitude, inf_key, codes, meta, bits, group_size,
               np.int64(seed), np.int64(base), bool(stochastic), bool(zero_code))
 
 
@@ -318,21 +330,20 @@ def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _pack_rows(x, words, shift, magnitude, inf_key, codes, meta, row_bits, row_offset,
-               group_size, seed, base, stochastic, zero_code):  # pragma: no cover - jitted
+def _pack_rows(x, words, magnitude, inf_key, codes, meta, row_bits, row_offset, group_size,
+               seed, base, stochastic, zero_code):  # pragma: no cover - jitted
     per_row = x.size // row_bits.size // group_size  # groups per row
     groups = meta.shape[0]
     for c in prange((groups + _CHUNK - 1) // _CHUNK):
         scratch = np.empty(group_size, np.uint8)
+        w16, w32, w64 = scratch.view(np.uint16), scratch.view(np.uint32), scratch.view(np.uint64)
         for g in range(c * _CHUNK, min((c + 1) * _CHUNK, groups)):
             row = g // per_row
             bits = np.int64(row_bits[row])
-            group_bytes = group_size * bits // 8
-            at = row_offset[row] + (g - row * per_row) * group_bytes
+            at = row_offset[row] + (g - row * per_row) * (group_size * bits // 8)
             start = g * group_size
-            _quantize_group(x, words, start, start + group_size, codes, at, scratch, meta, g,
-                            shift, magnitude, inf_key, bits, group_size, seed, base + start,
-                            stochastic, zero_code)
+            _group_at(bits, x, words, start, group_size, codes, at, meta, g, scratch, w16, w32,
+                      w64, magnitude, inf_key, seed, base + start, stochastic, zero_code)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -359,9 +370,9 @@ def pack_rows(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, row_bits: np.n
     ``row_bits[r]`` bits, its codes at byte ``row_offset[r]`` of ``codes``. Each row's bytes
     and metadata are those :func:`pack` gives the whole of ``x`` at that row's width."""
     if x.size:
-        view, shift, magnitude, inf_key = _BITS[x.dtype]
-        _pack_rows(x, x.view(view), shift, magnitude, inf_key, codes, meta, row_bits,
-                   row_offset, group_size, np.int64(seed), np.int64(base), bool(stochastic),
+        view, _, magnitude, inf_key = _BITS[x.dtype]
+        _pack_rows(x, x.view(view), magnitude, inf_key, codes, meta, row_bits, row_offset,
+                   group_size, np.int64(seed), np.int64(base), bool(stochastic),
                    bool(zero_code))
 
 

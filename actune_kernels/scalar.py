@@ -44,9 +44,25 @@ def _mix32(x):
     return x
 
 
-def build(jit: Callable) -> SimpleNamespace:
-    """Compile the shared scalar functions with ``jit`` (``numba.njit`` or a CUDA device jit)."""
+def _frexp_exponent(a):
+    """``math.frexp(a)[1]``."""
+    return math.frexp(a)[1]
+
+
+def _ldexp(a, e):
+    return math.ldexp(a, e)
+
+
+def build(jit: Callable, exponent: Callable | None = None,
+          ldexp: Callable | None = None) -> SimpleNamespace:
+    """Compile the shared scalar functions with ``jit`` (``numba.njit`` or a CUDA device jit).
+
+    ``exponent`` (``math.frexp(a)[1]`` of a finite non-zero float) and ``ldexp`` may be
+    given as faster compiled equivalents; both are exact functions, so the results do not
+    change."""
     mix32 = jit(_mix32)
+    exponent = exponent or jit(_frexp_exponent)
+    ldexp = ldexp or jit(_ldexp)
 
     @jit
     def stream_key(seed, hi):
@@ -70,14 +86,14 @@ def build(jit: Callable) -> SimpleNamespace:
         if v == 0.0:
             return 0.0, 0
         a = abs(v)
-        e = max(math.frexp(a)[1] - prec, sub)
-        q = math.ldexp(a, -e)
+        e = max(exponent(a) - prec, sub)
+        q = ldexp(a, -e)
         # magnitude rounded away from zero when rounding up a positive or down a negative v;
         # int(): math.floor and math.ceil return floats on CUDA
         n = int(math.ceil(q)) if (v > 0.0) == up else int(math.floor(q))  # noqa: RUF046
         if n == 0:
             return 0.0, 0
-        value = math.ldexp(float(n), e)
+        value = ldexp(float(n), e)
         word = ((e - sub) << (prec - 1)) + n
         if v < 0.0:
             return -value, word | 0x8000
@@ -96,7 +112,7 @@ def build(jit: Callable) -> SimpleNamespace:
         if field:
             n += 1 << mbits
             field -= 1
-        value = math.ldexp(float(n), sub + field)
+        value = ldexp(float(n), sub + field)
         return -value if word & 0x8000 else value
 
     @jit
