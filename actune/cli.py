@@ -119,6 +119,13 @@ PerSample = Annotated[bool, typer.Option("--per-sample/--per-tensor", help="Mixe
 Resolution = Annotated[int | None, typer.Option(min=1, help="Input resolution (images) or "
                                                 "sequence length (tokens).", show_default=False)]
 
+BenchResolution = Annotated[int | None, typer.Option(
+    min=1, help="Input resolution (images) or sequence length (tokens); default 32 for the "
+    "built-in models (a quick run), a model file's own default for a file.",
+    show_default=False)]
+#: bench's resolution for the built-in models when none is given.
+BENCH_BUILTIN_RESOLUTION = 32
+
 
 class _UsageError(Exception):
     """An error already phrased for the user."""
@@ -349,7 +356,7 @@ def bench(
     batch: Annotated[int, typer.Option(min=1, help="Batch size for every level.")] = 64,
     at_max: Annotated[bool, typer.Option("--at-max", help="Run each level at its own largest "
                                          "batch under the budget instead.")] = False,
-    resolution: Resolution = 32,
+    resolution: BenchResolution = None,
     steps: Annotated[int, typer.Option(min=1, help="Timed steps per level.")] = 5,
     warmup: Annotated[int, typer.Option(min=0, help="Untimed steps first.")] = 2,
     budget: BudgetOpt = None,
@@ -369,6 +376,8 @@ def bench(
         if plot is not None:
             _require_matplotlib()
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
+        if resolution is None and model_file is None:
+            resolution = BENCH_BUILTIN_RESOLUTION
         sizes = {"resolution": resolution} if resolution and "resolution" in workload.dims \
             else {}
         report = _run_job(run.bench, level_list, quiet, json_path, workload=workload,

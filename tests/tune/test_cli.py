@@ -357,3 +357,32 @@ def test_an_estimate_of_l5_reuses_l4s_search(tmp_path):
     assert l5["value"] == l4["value"] and l5["peak_bytes"] == l4["peak_bytes"]
     assert l4["probes"] and l5["probes"] == [] and "estimated as L4" in l5["note"]
     assert f"{len(l4['probes'])} probes in" in result.output
+
+
+_SIZED_FILE = '''
+from pathlib import Path
+import torch
+from torch import nn
+
+def build_model(resolution: int = 6):
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * resolution * resolution, 2))
+
+def make_batch(batch_size, resolution=6):
+    Path(__file__).with_suffix(".seen").write_text(str(resolution))
+    return torch.randn(batch_size, 3, resolution, resolution), torch.randint(0, 2, (batch_size,))
+'''
+
+
+def test_bench_keeps_a_model_files_own_resolution_unless_one_is_given(tmp_path):
+    """bench's quick default (32) is for the built-in models; a model file's sizes are the
+    user's and stay as written unless --resolution says otherwise."""
+    path = tmp_path / "sized.py"
+    path.write_text(_SIZED_FILE)
+    seen = path.with_suffix(".seen")
+    common = ("--levels", "L0", "--batch", "4", "--steps", "1", "--warmup", "0", "--quiet")
+    result = run("bench", str(path), *common)
+    assert result.exit_code == 0, result.output
+    assert seen.read_text() == "6"
+    result = run("bench", str(path), "--resolution", "4", *common)
+    assert result.exit_code == 0, result.output
+    assert seen.read_text() == "4"
