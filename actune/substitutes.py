@@ -171,7 +171,6 @@ def _channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     first = x.sum(dims) / count
     centre = _per_channel(first, x)
     shift = squares = 0
-    # on fake tensors (an estimate) two eighths stand for all: the same temporaries alive
     for part in x.chunk(8)[:2] if isinstance(x, FakeTensor) else x.chunk(8):
         deviation = torch.sub(part, centre)
         shift = shift + deviation.sum(dims)

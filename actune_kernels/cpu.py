@@ -40,12 +40,11 @@ _U32 = np.uint32
 _U64 = np.uint64
 #: Groups a parallel task packs in turn, sharing one scratch buffer.
 _CHUNK = 16
-#: Per input dtype: the signed integer view, the sign shift, the magnitude mask and the
-#: bits of +inf (see _min_max).
+#: Per input dtype: the signed integer view, the magnitude mask and the bits of +inf (see
+#: _min_max).
 _BITS = {
-    np.dtype(np.float32): (np.int32, np.int32(31), np.int32(0x7FFFFFFF), np.int32(0x7F800000)),
-    np.dtype(np.float64): (np.int64, np.int64(63), np.int64(0x7FFFFFFFFFFFFFFF),
-                           np.int64(0x7FF0000000000000)),
+    np.dtype(np.float32): (np.int32, np.int32(0x7FFFFFFF), np.int32(0x7F800000)),
+    np.dtype(np.float64): (np.int64, np.int64(0x7FFFFFFFFFFFFFFF), np.int64(0x7FF0000000000000)),
 }
 
 
@@ -64,15 +63,13 @@ def _min_max(words, start, count, magnitude, inf_key, positive):  # pragma: no c
     if positive:
         lo_pos = inf
         for i in range(count):
-            w = words[s + _U64(i)]
-            k = kt(w ^ mag) if w < 0 else w
+            k = kt(order_key(words[s + _U64(i)], mag))
             lo = kt(min(lo, k))
             hi = kt(max(hi, k))
             lo_pos = kt(min(lo_pos, k if k > 0 else inf))
         return lo_pos, hi, hi >= inf or lo < -inf
     for i in range(count):
-        w = words[s + _U64(i)]
-        k = kt(w ^ mag) if w < 0 else w
+        k = kt(order_key(words[s + _U64(i)], mag))
         lo = kt(min(lo, k))
         hi = kt(max(hi, k))
     return lo, hi, hi >= inf or lo < -inf
@@ -185,8 +182,8 @@ def _group_kernel(bits: int):
         count = min(group_size, x.size - start)
         full = count == group_size
         klo, khi, bad = _min_max(words, start, count, magnitude, inf_key, zero_code)
-        a = order_key(klo, words.itemsize * 8 - 1, magnitude)
-        b = order_key(khi, words.itemsize * 8 - 1, magnitude)
+        a = order_key(klo, magnitude)
+        b = order_key(khi, magnitude)
         if words.itemsize == 4:
             mn = float(np.int32(a).view(np.float32))
             mx = float(np.int32(b).view(np.float32))
@@ -317,7 +314,7 @@ def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_si
     code 0 for exact zeros (for tensors >= 0, such as ReLU outputs; bits >= 2).
     """
     if x.size:
-        view, _, magnitude, inf_key = _BITS[x.dtype]
+        view, magnitude, inf_key = _BITS[x.dtype]
         _pack(x, x.view(view), magnitude, inf_key, codes, meta, bits, group_size,
               np.int64(seed), np.int64(base), bool(stochastic), bool(zero_code))
 
@@ -370,7 +367,7 @@ def pack_rows(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, row_bits: np.n
     ``row_bits[r]`` bits, its codes at byte ``row_offset[r]`` of ``codes``. Each row's bytes
     and metadata are those :func:`pack` gives the whole of ``x`` at that row's width."""
     if x.size:
-        view, _, magnitude, inf_key = _BITS[x.dtype]
+        view, magnitude, inf_key = _BITS[x.dtype]
         _pack_rows(x, x.view(view), magnitude, inf_key, codes, meta, row_bits, row_offset,
                    group_size, np.int64(seed), np.int64(base), bool(stochastic),
                    bool(zero_code))

@@ -69,6 +69,8 @@ def random24_u32(key, index):  # pragma: no cover - jitted
 
 
 @_inline
-def order_key(w, shift, magnitude):  # pragma: no cover - jitted
-    """Signed integer with the order of the float whose bits are ``w`` (an involution)."""
-    return w ^ ((w >> shift) & magnitude)
+def order_key(w, magnitude):  # pragma: no cover - jitted
+    """Signed integer with the order of the float whose bits are ``w`` (an involution):
+    negative floats' magnitude bits flipped. A select, not a shift by the sign, so it stays
+    in 32-bit lanes for float32 once the caller casts it back."""
+    return w ^ magnitude if w < 0 else w
