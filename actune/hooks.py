@@ -39,12 +39,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level, get_level
-from actune.mode import FunctionMode, top_hooks
+from actune.mode import FunctionMode, parameter_like, top_hooks
 from actune.quant import PackedMask, pack_mask, quantize, quantize_samples
 from actune.rules import op_name
 from actune.saved import Saved
 
-__all__ = ["CompressionStats", "allow_overwrite", "compressed", "shared_cache"]
+__all__ = ["CompressionStats", "allow_overwrite", "compressed", "feature_major", "shared_cache"]
 
 
 # Which ops' saved tensors are quantized, and with which of the level's bit widths.
@@ -82,17 +82,17 @@ class CompressionStats:
         return describe_exact({**self.exact, **small})
 
 
-def _is_parameter_like(t: torch.Tensor) -> bool:
-    if t.is_leaf:  # (a parameter is a leaf: most saved tensors skip the slow isinstance)
-        return t.requires_grad or isinstance(t, torch.nn.Parameter)
-    base = t._base
-    if base is not None and isinstance(base, torch.nn.Parameter):  # a transposed weight
-        return True
-    fn = t.grad_fn  # an autocast copy of a parameter: ToCopyBackward0 -> AccumulateGrad
-    if fn is not None and fn.name() == "ToCopyBackward0":
-        nxt = fn.next_functions
-        return len(nxt) == 1 and nxt[0][0] is not None and nxt[0][0].name() == "AccumulateGrad"
-    return False
+def feature_major(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values, same shape, with its last dim (the features) laid out before the
+    others within each sample (2-D: before the rows), so that groups packed in memory order
+    run along the tokens, one feature each: a feature's values share a group's range, as a
+    convolution's NCHW input does by its layout, and a feature with small values (a layer
+    norm's small gain, next to outlier features) keeps its own fine step. ``t`` itself if it
+    is not a contiguous tensor of at least two dims and features."""
+    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() <= t.shape[-1] or not t.is_contiguous():
+        return t
+    first = 0 if t.dim() == 2 else 1  # (a sample stays whole: the allocator's unit)
+    return t.movedim(-1, first).contiguous().movedim(first, -1)
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -118,6 +118,7 @@ class _Session:
         self.autoprec: AutoPrecision | None = None
         self.touched: list[int] | None = None  # allocator slots read by the op being run
         self.only_shape: torch.Size | None = None  # a norm: only tensors of its input's shape
+        self.features = False  # the running op saves features-last tensors (feature_major)
         self.references: tuple = ()  # a norm's other tensor arguments (buffers): references
         self.last_matmul = None  # statistics steps: the last matmul call (output, func, args)
         # tensors a batch norm may write its result over, once (allow_overwrite)
@@ -153,7 +154,7 @@ class _Session:
     # -- hooks ---------------------------------------------------------------------------
 
     def pack_hook(self, t: torch.Tensor) -> object:
-        if _is_parameter_like(t) or (self.references and any(t is r for r in self.references)):
+        if parameter_like(t) or (self.references and any(t is r for r in self.references)):
             return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.count(t)
         level = self.level
@@ -172,10 +173,11 @@ class _Session:
             return self._keep(t, new)
         if self.only_shape is not None and t.shape != self.only_shape:
             return self._keep(t, new)  # a norm's own statistics (mean, rstd): kept exact
+        src = feature_major(t) if self.features else t
         if self.allocator() is not None:
-            return self._pack_allocated(t, self.kind)
+            return self._pack_allocated(t, self.kind, src)
         return self._pack(t, bits, self.kind,
-                          lambda: quantize(t, bits, group_size=level.group_size))
+                          lambda: quantize(src, bits, group_size=level.group_size))
 
     @staticmethod
     def unpack_hook(saved: object) -> torch.Tensor:
@@ -257,14 +259,15 @@ class _Session:
         key = (*key[:-1], key[-1] + bumps, bits)
         self.cache[key] = (StorageWeakRef(t.untyped_storage()), saved)
 
-    def _pack_allocated(self, t: torch.Tensor, kind: str) -> Saved:
-        """Pack with the bits the allocator gives this slot (found in the cache if the storage
-        was packed already: this op reads that slot too)."""
+    def _pack_allocated(self, t: torch.Tensor, kind: str, src: torch.Tensor) -> Saved:
+        """Pack ``src`` (``t``'s values, in ``t``'s or another layout) with the bits the
+        allocator gives this slot (found in the cache if ``t``'s storage was packed already:
+        this op reads that slot too)."""
         found = self._cached((*_storage_key(t), _ALLOCATED))
         if found is not None and isinstance(found.packed, PackedMask):
             found = None  # kept as a mask only (no reader at the last statistics step)
         if found is None:
-            packed, slot = self._quantize_planned(t, False)
+            packed, slot = self._quantize_planned(src, False)
             found = self._hold(self._new(packed), kind)
             found.slot = slot
             self._remember(t, _ALLOCATED, found)

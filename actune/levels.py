@@ -30,7 +30,10 @@ class Level:
     smaller tensors are kept as they are (packing them gains nothing). ``nonlinear_bits``: bits
     for the saved tensors a backward reads through a nonlinearity, where rounding leaves a small
     bias (attention's q and k, which enter the recomputed softmax; the inputs a checkpointed
-    region is recomputed from); ``None`` keeps them exact. ``avg_bits``: mixed
+    region is recomputed from); ``None`` keeps them exact. ``sensitive_bits``: bits for the
+    saved tensors whose rounding noise reaches every gradient before them (the loss's
+    probabilities, the root of backward; attention's v, which sets the small gradients of q
+    and k); ``None``: ``other_bits``. ``avg_bits``: mixed
     precision: an allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed
     tensor, and each sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the
     gradient is sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).
@@ -45,11 +48,12 @@ class Level:
     defrag: bool = False
     min_numel: int = 1024
     nonlinear_bits: int | None = None
+    sensitive_bits: int | None = None
     avg_bits: float | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("matmul_bits", "other_bits", "nonlinear_bits"):
+        for field in ("matmul_bits", "other_bits", "nonlinear_bits", "sensitive_bits"):
             bits = getattr(self, field)
             if bits is not None:
                 try:
@@ -66,6 +70,14 @@ class Level:
                                  f"(set matmul_bits or other_bits)")
         if self.defrag and not self.offload:
             raise ValueError(f"Level {self.name!r}: defrag builds on offload; set offload=True")
+
+    @property
+    def spread_bits(self) -> int | None:
+        """The bits of the tensors ``sensitive_bits`` names (``other_bits`` if it is unset,
+        None where those are kept exact)."""
+        if self.other_bits is None:
+            return None
+        return self.sensitive_bits if self.sensitive_bits is not None else self.other_bits
 
     @property
     def exact(self) -> bool:
@@ -90,7 +102,8 @@ L1 = Level("L1", matmul_bits=4, masks=True,
                        "the rest exact")
 L2 = Level("L2", matmul_bits=4, other_bits=4, masks=True, nonlinear_bits=8,
            description="4 bits for every compressed activation, 1-bit masks")
-L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True, nonlinear_bits=8, avg_bits=2.0,
+L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True, nonlinear_bits=8, sensitive_bits=4,
+           avg_bits=2.0,
            description="2 bits on average, per layer and per sample where the gradient is "
                        "sensitive (mixed precision), 1-bit masks (the default)")
 L4 = L3.with_(name="L4", offload=True,
@@ -110,6 +123,7 @@ def uniform(bits: int) -> Level:
     baseline that mixed precision at the same average is measured against."""
     layout.check_bits(bits)
     return L3.with_(name=f"u{bits}", matmul_bits=bits, other_bits=bits, avg_bits=None,
+                    sensitive_bits=None,
                     description=f"{bits} bits for every compressed activation, 1-bit masks")
 
 

@@ -34,6 +34,20 @@ _NORMS = funcs_of("norm")
 top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
+def parameter_like(t: torch.Tensor) -> bool:
+    """A parameter, a view of one (a transposed weight) or its autocast copy."""
+    if t.is_leaf:  # (a parameter is a leaf: most saved tensors skip the slow isinstance)
+        return t.requires_grad or isinstance(t, torch.nn.Parameter)
+    base = t._base
+    if base is not None and isinstance(base, torch.nn.Parameter):  # a transposed weight
+        return True
+    fn = t.grad_fn  # an autocast copy of a parameter: ToCopyBackward0 -> AccumulateGrad
+    if fn is not None and fn.name() == "ToCopyBackward0":
+        nxt = fn.next_functions
+        return len(nxt) == 1 and nxt[0][0] is not None and nxt[0][0].name() == "AccumulateGrad"
+    return False
+
+
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
@@ -79,7 +93,7 @@ class FunctionMode(TorchFunctionMode):
     def _run(self, func, args, kwargs):
         s = self.s
         rule = RULES.get(func)
-        previous = s.kind, s.only_shape, s.references, s.op
+        previous = s.kind, s.only_shape, s.references, s.op, s.features
         only, refs = None, ()
         if rule is not None and rule.only_input_shape and isinstance(args[0], torch.Tensor):
             # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
@@ -89,6 +103,11 @@ class FunctionMode(TorchFunctionMode):
             refs = tuple(a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor))
         s.kind, s.only_shape, s.references, s.op = (
             rule.bits if rule is not None else None, only, refs, func)
+        # features last: a norm's input, or a matmul's activation times a weight (not two
+        # activations, as attention's scores and probabilities are)
+        s.features = rule is not None and rule.features_last and (
+            rule.family != "matmul"
+            or any(isinstance(a, torch.Tensor) and parameter_like(a) for a in args))
         try:
             if (rule is not None and rule.replace is not None and not s.level.exact
                     and isinstance(args[0], torch.Tensor)):
@@ -97,7 +116,7 @@ class FunctionMode(TorchFunctionMode):
                     return out
             return func(*args, **kwargs)
         finally:
-            s.kind, s.only_shape, s.references, s.op = previous
+            s.kind, s.only_shape, s.references, s.op, s.features = previous
 
     def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
                kwargs) -> None:

@@ -103,6 +103,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds run: first-seed .. first-seed + seeds - 1 (to split them "
+                             "over processes)")
     parser.add_argument("--levels", default="L0,u8,L2,L3")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
@@ -133,7 +136,7 @@ def main() -> None:
     train_data, val_data = corpus()
     levels = args.levels.split(",")
     runs = [train(lv, seed, args, train_data, val_data)
-            for seed in range(args.seeds) for lv in levels]
+            for seed in range(args.first_seed, args.first_seed + args.seeds) for lv in levels]
     report(args, levels, runs)
     if args.json:
         with open(args.json, "w") as f:
@@ -146,7 +149,8 @@ def report(args, levels: list[str], runs: list[dict]) -> None:
     table = Table(title=f"byte-level GPT-2 ({args.layers} layers, {args.width} wide, "
                         f"{args.context} tokens) on pydoc_data.topics, {args.steps} steps, "
                         f"{args.seeds} seeds: validation loss (nats/byte)")
-    for col in ("level", *(f"seed {s}" for s in range(args.seeds)), "mean", "vs L0", "s/run"):
+    seeds = sorted({r["seed"] for r in runs})
+    for col in ("level", *(f"seed {s}" for s in seeds), "mean", "vs L0", "s/run"):
         table.add_column(col, justify="right")
     for lv in levels:
         mine = [r for r in runs if r["level"] == lv]

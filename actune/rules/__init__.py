@@ -14,6 +14,9 @@ and otherwise knows nothing of ops:
   as it is (with ``bits``).
 * ``keeps``: what the rule keeps for backward and why that is unbiased or exact (shown in
   docs and in :func:`describe`).
+* ``features_last``: what the op saves holds features in its last dim (a linear layer's
+  input, a layer norm's): packed one feature at a time, its groups running along the tokens
+  (see :func:`actune.hooks.feature_major`).
 
 An op with no rule keeps what it saves exact; :class:`actune.CompressionStats` names it, with
 its bytes, so a user sees where the memory is.
@@ -42,6 +45,9 @@ class Rule:
     #: a norm: only the tensor of its input's shape may be rounded (its statistics, read
     #: nonlinearly by backward, stay exact; its weight and buffers stay references)
     only_input_shape: bool = False
+    #: the saved tensors' last dim holds features: group along the other dims (one feature's
+    #: values share a group's range, as a convolution's NCHW input does by its layout)
+    features_last: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -54,14 +60,14 @@ RULES: dict[Callable, Rule] = {}
 
 
 def register(funcs: Iterable[Callable], family: str, bits: str | None = None, keeps: str = "",
-             only_input_shape: bool = False):
+             only_input_shape: bool = False, features_last: bool = False):
     """Register a rule for every function in ``funcs``; use as a decorator on the rule's
     ``replace(session, func, args, kwargs, level)`` or call it with the result ignored (a rule
     without a replacement: ``register(...)(None)``)."""
     funcs = tuple(dict.fromkeys(funcs))  # (some spellings are one object: F.relu_)
 
     def decorate(replace: Callable | None) -> Callable | None:
-        rule = Rule(family, bits, replace, keeps, only_input_shape)
+        rule = Rule(family, bits, replace, keeps, only_input_shape, features_last)
         for func in funcs:
             if func in RULES:
                 raise ValueError(f"{_name(func)} already has a rule ({RULES[func].family})")

@@ -3,12 +3,12 @@ flash, memory-efficient, cuDNN), with masks, the causal flag, dropout and ``enab
 
 PyTorch's backends keep q, k, v, the output and the log-sum-exp; their backward recomputes
 ``softmax(q k^T)`` (nonlinear in q and k) and is linear in v. :class:`RecomputedAttention` keeps
-v rounded at ``other_bits`` (unbiased), q and k at the level's ``nonlinear_bits`` (8 at L2-L5:
-their rounding enters the softmax nonlinearly, a bias measured in docs/training.md; exact where
-the level sets none), and neither the output nor the log-sum-exp: backward runs the attention
-forward once more (with the forward's random state, for dropout, and its autocast state) and
-differentiates that. Eager attention (matmuls, masks, softmax, dropout) is covered by those
-ops' own rules.
+v rounded at ``sensitive_bits`` (4 at L3: its noise sets the small gradients of q and k;
+unbiased), q and k at the level's ``nonlinear_bits`` (8 at L2-L5: their rounding enters the
+softmax nonlinearly, a bias measured in docs/training.md; exact where the level sets none),
+and neither the output nor the log-sum-exp: backward runs the attention forward once more
+(with the forward's random state, for dropout, and its autocast state) and differentiates
+that. Eager attention (matmuls, masks, softmax, dropout) is covered by those ops' own rules.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _LABEL = "scaled_dot_product_attention q/k"
 
 
 @register((F.scaled_dot_product_attention,), "attention", None,
-          "v rounded at other bits; q and k at nonlinear bits (8 at L2-L5) or exact; the "
+          "v rounded at sensitive bits; q and k at nonlinear bits (8 at L2-L5) or exact; the "
           "output and log-sum-exp recomputed in backward")
 def attention(s, func, args, kwargs, level):
     q, k, v = args[0], arg(args, kwargs, 1, "key", None), arg(args, kwargs, 2, "value", None)
@@ -65,7 +65,7 @@ class RecomputedAttention(torch.autograd.Function):
         for name, t in (("q", q), ("k", k)):
             setattr(ctx, name, session.keep_exact(t, _LABEL) if bits is None
                     else session.pack_fixed(t, bits, "attention q/k", replaces=(t,)))
-        ctx.v = session.pack_fixed(v, level.other_bits, "attention v", replaces=(v,))
+        ctx.v = session.pack_fixed(v, level.spread_bits, "attention v", replaces=(v,))
         ctx.options = options
         return out
 

@@ -3,10 +3,11 @@
 PyTorch's cross entropy keeps the log-probabilities, an exact float copy of the logits' size,
 until backward: over a large vocabulary the largest tensor of a small LM's step (Cut
 Cross-Entropy, Wijmans et al., 2024). Its gradient, ``(p - target distribution) * weight``, is
-linear in the probabilities ``p``: :class:`PackedCrossEntropy` keeps them rounded at
-``other_bits`` (unbiased), plus the targets and per-row weights (small). Its forward works in
-slices of rows, so the float copies and exponentials it needs are a slice's size, not the
-logits'. ``log_softmax`` followed by ``nll_loss`` is covered by the log-softmax rule.
+linear in the probabilities ``p``: :class:`PackedCrossEntropy` keeps them rounded at the
+level's ``sensitive_bits`` (4 at L3: their noise reaches every gradient; unbiased), plus the
+targets and per-row weights (small). Its forward works in slices of rows, so the float copies
+and exponentials it needs are a slice's size, not the logits'. ``log_softmax`` followed by
+``nll_loss`` is covered by the log-softmax rule.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ SLICE = 1 << 22
 
 
 @register((F.cross_entropy,), "loss", None,
-          "probabilities rounded at other bits (gradient linear in them), targets exact; "
+          "probabilities rounded at sensitive bits (gradient linear in them), targets exact; "
           "forward in slices of rows")
 def cross_entropy(s, func, args, kwargs, level):
     x, target = args[0], arg(args, kwargs, 1, "target", None)
@@ -39,7 +40,7 @@ def cross_entropy(s, func, args, kwargs, level):
             or (weight is not None and (smoothing or weight.requires_grad))):
         return None  # class probabilities as targets, legacy arguments...: PyTorch's own
     return PackedCrossEntropy.apply(x, target, weight, ignore_index, reduction, smoothing,
-                                    level.other_bits, s)
+                                    level.spread_bits, s)
 
 
 class PackedCrossEntropy(torch.autograd.Function):

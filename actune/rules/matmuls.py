@@ -19,10 +19,17 @@ PLAIN_CONVS = (F.conv1d, F.conv2d, F.conv3d)
 CONVS = (*PLAIN_CONVS, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
 _KEEPS = "inputs rounded at matmul bits (backward linear in each)"
 
-register((F.linear, F.bilinear, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
-          torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.addbmm,
-          torch.einsum, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
-          torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.addmm, torch.Tensor.baddbmm),
+#: Ops whose activation operand holds features in its last dim: a layer's input times its
+#: weight (linear, addmm, matmul with a weight), packed one feature per group.
+FEATURES_LAST = (F.linear, torch.matmul, torch.mm, torch.addmm, torch.Tensor.matmul,
+                 torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.addmm)
+
+register(FEATURES_LAST, "matmul", "matmul",
+         _KEEPS + "; a weight's input in groups along its tokens, one feature each",
+         features_last=True)(None)
+register((F.bilinear, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, torch.bmm,
+          torch.baddbmm, torch.addbmm, torch.einsum, torch.Tensor.__rmatmul__,
+          torch.Tensor.bmm, torch.Tensor.baddbmm),
          "matmul", "matmul", _KEEPS)(None)
 
 

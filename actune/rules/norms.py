@@ -22,8 +22,10 @@ from actune.substitutes import LeanBatchNorm, arg
 
 _KEEPS = "input rounded at other bits; statistics exact"
 
-register((F.layer_norm, F.group_norm, F.instance_norm, F.rms_norm), "norm", "other", _KEEPS,
-         only_input_shape=True)(None)
+register((F.layer_norm, F.rms_norm), "norm", "other",
+         _KEEPS + "; in groups along its tokens, one feature each", only_input_shape=True,
+         features_last=True)(None)
+register((F.group_norm, F.instance_norm), "norm", "other", _KEEPS, only_input_shape=True)(None)
 
 
 @register((F.batch_norm,), "norm", "other", _KEEPS + "; large ones backward in place",

@@ -127,3 +127,12 @@ def test_every_cpu_backend(backend):
     for g, e in zip(got, exact, strict=True):
         assert relative_error(g[0], e[0]) < 0.02
     assert st[0].exact == {}
+
+
+@pytest.mark.parametrize(("name", "bits"), [("L3", 4), ("u2", 2)])
+def test_v_is_packed_at_the_levels_sensitive_bits(name, bits):
+    q, k, v = qkv(seq=64)
+    st = []
+    with actune.compressed(name, stats=st.append):
+        F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True)
+    assert st[0].by_kind["attention v"] == v.numel() // 256 * (256 * bits // 8 + 4)

@@ -81,3 +81,14 @@ def test_class_probability_targets_fall_back_to_pytorch():
     (exact,) = exact_grads(fn, (x,))
     (got,) = input_grads(fn, (x,), level(2), 1)
     assert torch.equal(got[0], exact[0])
+
+
+@pytest.mark.parametrize(("name", "bits"), [("L3", 4), ("u2", 2), ("L2", 4)])
+def test_probabilities_are_packed_at_the_levels_sensitive_bits(name, bits):
+    # their noise reaches every gradient of the step: L3 keeps them at 4 bits, u2 at 2
+    x = logits()
+    st = []
+    with actune.compressed(name, stats=st.append):
+        F.cross_entropy(x * 1.0, TARGET.clamp(min=0))
+    groups = -(-x.numel() // 256)
+    assert st[0].by_kind["cross_entropy"] == groups * (256 * bits // 8 + 4)  # codes, meta

@@ -5,7 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from tests.rules.helpers import DTYPES, check_rule
+import actune
+from actune import hooks
+from actune.hooks import feature_major
+from tests.rules.helpers import DTYPES, check_rule, level, shrinks_like_noise
 
 _W = torch.randn(64, 48, generator=torch.Generator().manual_seed(7)) / 8
 _B = torch.zeros(48)
@@ -29,3 +32,72 @@ OPS = {
 @pytest.mark.parametrize("op", list(OPS))
 def test_matmul_rule(op, dtype):
     check_rule(OPS[op], lambda t: t, dtype)
+
+
+def _weight_grads(x: torch.Tensor, draws: int, level) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact weight gradient of a linear layer over ``x`` and ``draws`` rounded ones."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(x.shape[-1], 32)
+    g = torch.randn((*x.shape[:-1], 32), generator=torch.Generator().manual_seed(1))
+
+    def grad(lv):
+        layer.zero_grad()
+        with actune.compressed(lv):
+            out = layer(x)
+        (out * g).sum().backward()
+        return layer.weight.grad.clone()
+
+    return grad("L0"), torch.stack([grad(level) for _ in range(draws)])
+
+
+@pytest.mark.parametrize("shape", [(256, 64), (4, 128, 64)])
+def test_a_layers_input_is_grouped_by_feature_so_outlier_features_do_not_drown_the_rest(shape):
+    # four features 20x larger than the others, as trained transformers have: with groups
+    # along the tokens each feature keeps its own step, and the others' weight gradients keep
+    # the noise they have without outliers (rows of mixed features would share the outliers'
+    # range: 10x the noise)
+    scale = torch.ones(64)
+    scale[::16] = 20.0
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2)) * scale
+    exact, rounded = _weight_grads(x, 16, level(2))
+    plain_exact, plain = _weight_grads(x / scale, 16, level(2))
+    normal = [c for c in range(64) if c % 16]
+
+    def noise(samples, reference):
+        return ((samples - reference)[:, :, normal].norm() / reference[:, normal].norm()).item()
+
+    assert noise(rounded, exact) < 1.3 * noise(plain, plain_exact)
+    assert shrinks_like_noise(rounded, exact, 2, 16) < 0.55  # still unbiased
+
+
+def test_feature_major_keeps_values_and_samples_and_puts_features_first():
+    x = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)
+    y = feature_major(x)
+    assert torch.equal(y, x) and y.stride() == (12, 1, 3)  # per sample: features, then tokens
+    flat = feature_major(x.view(6, 4))
+    assert torch.equal(flat, x.view(6, 4)) and flat.stride() == (1, 6)
+    for kept in (x.transpose(1, 2), torch.ones(5), torch.ones(7, 1), torch.ones(1, 9)):
+        assert feature_major(kept) is kept  # strided, 1-D, one feature, or one row
+
+
+def test_only_a_weights_input_is_grouped_by_feature():
+    # attention's scores and probabilities (two activations multiplied) keep row groups
+    seen = []
+    original = hooks.feature_major
+
+    def spy(t):
+        seen.append(tuple(t.shape))
+        return original(t)
+
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    a = torch.randn(8, 64, 64).requires_grad_()
+    hooks.feature_major = spy
+    try:
+        with actune.compressed(level(2)):
+            h = a * 1.0
+            (h @ h.transpose(-1, -2)).sum().backward(retain_graph=True)
+            assert seen == []
+            (h @ w).sum().backward()
+    finally:
+        hooks.feature_major = original
+    assert seen == [(512, 64)]  # (matmul folds the batch into the rows of an mm)
