@@ -173,8 +173,10 @@ class _Session:
             return self._keep(t, new)
         if self.only_shape is not None and t.shape != self.only_shape:
             return self._keep(t, new)  # a norm's own statistics (mean, rstd): kept exact
-        src = feature_major(t) if self.features else t
-        if self.allocator() is not None:
+        ap = self.allocator()
+        by_feature = self.features and not (ap is not None and ap.splits_samples(t))
+        src = feature_major(t) if by_feature else t
+        if ap is not None:
             return self._pack_allocated(t, self.kind, src)
         return self._pack(t, bits, self.kind,
                           lambda: quantize(src, bits, group_size=level.group_size))
