@@ -15,7 +15,8 @@ run moves from L0's when nothing but the rounding differs is the benchmark's res
 Without gradient clipping and at a higher learning rate (``--clip 0 --lr 2e-3 --warmup 20``)
 this model's training is chaotic: u8 ended 2.2% below L0 and single seeds 6% apart, so no
 0.5% difference could be read there. ``--load`` prints the tables of runs saved with
-``--json`` (levels run in separate processes, side by side).
+``--json`` (levels run in separate processes, side by side: give each ``--threads 1`` and
+``NUMBA_NUM_THREADS=1``, or numba's threads oversubscribe the cores: several times slower).
 """
 
 from __future__ import annotations
