@@ -397,15 +397,12 @@ class AutoPrecision:
     def splits_samples(self, t: torch.Tensor) -> bool:
         """Would ``t`` (2-d, its rows the batch's samples) get bits per sample? (Its rows
         then stay whole groups: grouping it by feature would mix the samples.)"""
-        if t.dim() != 2:
-            return False
-        n = int(t.shape[0])
-        return (self.per_sample and n > 1 and n == (self._batch or n)
-                and t.stride(0) == t.numel() // n)
+        return t.dim() == 2 and self._samples(t) > 1
 
     def _samples(self, t: torch.Tensor) -> int:
         n = int(t.shape[0]) if t.dim() >= 2 else 1
-        if not self.per_sample or n <= 1 or n != self._batch or t.stride(0) != t.numel() // n:
+        batch = self._batch or n  # (unset before a step's first plan, which sets it to n)
+        if not self.per_sample or n <= 1 or n != batch or t.stride(0) != t.numel() // n:
             return 1
         return n
 

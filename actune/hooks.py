@@ -175,11 +175,10 @@ class _Session:
             return self._keep(t, new)  # a norm's own statistics (mean, rstd): kept exact
         ap = self.allocator()
         by_feature = self.features and not (ap is not None and ap.splits_samples(t))
-        src = feature_major(t) if by_feature else t
         if ap is not None:
-            return self._pack_allocated(t, self.kind, src)
-        return self._pack(t, bits, self.kind,
-                          lambda: quantize(src, bits, group_size=level.group_size))
+            return self._pack_allocated(t, self.kind, by_feature)
+        return self._pack(t, bits, self.kind, lambda: quantize(
+            feature_major(t) if by_feature else t, bits, group_size=level.group_size))
 
     @staticmethod
     def unpack_hook(saved: object) -> torch.Tensor:
@@ -261,15 +260,15 @@ class _Session:
         key = (*key[:-1], key[-1] + bumps, bits)
         self.cache[key] = (StorageWeakRef(t.untyped_storage()), saved)
 
-    def _pack_allocated(self, t: torch.Tensor, kind: str, src: torch.Tensor) -> Saved:
-        """Pack ``src`` (``t``'s values, in ``t``'s or another layout) with the bits the
-        allocator gives this slot (found in the cache if ``t``'s storage was packed already:
-        this op reads that slot too)."""
+    def _pack_allocated(self, t: torch.Tensor, kind: str, by_feature: bool = False) -> Saved:
+        """Pack with the bits the allocator gives this slot (``by_feature``: from
+        :func:`feature_major`'s copy), or find it in the cache if the storage was packed
+        already (this op reads that slot too)."""
         found = self._cached((*_storage_key(t), _ALLOCATED))
         if found is not None and isinstance(found.packed, PackedMask):
             found = None  # kept as a mask only (no reader at the last statistics step)
         if found is None:
-            packed, slot = self._quantize_planned(src, False)
+            packed, slot = self._quantize_planned(feature_major(t) if by_feature else t, False)
             found = self._hold(self._new(packed), kind)
             found.slot = slot
             self._remember(t, _ALLOCATED, found)

@@ -72,7 +72,7 @@ class Level:
             raise ValueError(f"Level {self.name!r}: defrag builds on offload; set offload=True")
 
     @property
-    def spread_bits(self) -> int | None:
+    def sensitive_width(self) -> int | None:
         """The bits of the tensors ``sensitive_bits`` names (``other_bits`` if it is unset,
         None where those are kept exact)."""
         if self.other_bits is None:

@@ -83,9 +83,9 @@ def test_custom_level_round_trips_json_and_is_validated():
         Level("bad", other_bits=3)
     with pytest.raises(ValueError, match="sensitive_bits"):
         Level("bad", other_bits=2, sensitive_bits=5)
-    assert Level("plain", other_bits=2).spread_bits == 2  # unset: other_bits
-    assert Level("set", other_bits=2, sensitive_bits=8).spread_bits == 8
-    assert Level("none", matmul_bits=4, sensitive_bits=8).spread_bits is None  # others exact
+    assert Level("plain", other_bits=2).sensitive_width == 2  # unset: other_bits
+    assert Level("set", other_bits=2, sensitive_bits=8).sensitive_width == 8
+    assert Level("none", matmul_bits=4, sensitive_bits=8).sensitive_width is None  # others exact
 
 
 # -- exactness --------------------------------------------------------------------------------

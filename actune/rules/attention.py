@@ -65,7 +65,7 @@ class RecomputedAttention(torch.autograd.Function):
         for name, t in (("q", q), ("k", k)):
             setattr(ctx, name, session.keep_exact(t, _LABEL) if bits is None
                     else session.pack_fixed(t, bits, "attention q/k", replaces=(t,)))
-        ctx.v = session.pack_fixed(v, level.spread_bits, "attention v", replaces=(v,))
+        ctx.v = session.pack_fixed(v, level.sensitive_width, "attention v", replaces=(v,))
         ctx.options = options
         return out
 

@@ -40,7 +40,7 @@ def cross_entropy(s, func, args, kwargs, level):
             or (weight is not None and (smoothing or weight.requires_grad))):
         return None  # class probabilities as targets, legacy arguments...: PyTorch's own
     return PackedCrossEntropy.apply(x, target, weight, ignore_index, reduction, smoothing,
-                                    level.spread_bits, s)
+                                    level.sensitive_width, s)
 
 
 class PackedCrossEntropy(torch.autograd.Function):
