@@ -116,6 +116,9 @@ Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 PerSample = Annotated[bool, typer.Option("--per-sample/--per-tensor", help="Mixed-precision "
                                          "levels (L3-L5, 2b...) choose bits per sample too, or "
                                          "only per tensor.")]
+Jobs = Annotated[int | None, typer.Option(
+    "--jobs", "-j", min=1, help="Levels searched side by side in estimate mode, one process "
+    "each (default: one per CPU core; 1: one after another).", show_default=False)]
 Resolution = Annotated[int | None, typer.Option(min=1, help="Input resolution (images) or "
                                                 "sequence length (tokens).", show_default=False)]
 
@@ -173,7 +176,8 @@ def _data(work, resolution: int | None):
 
 
 def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
-           mode: str | None, world_size: int = 1, shard: str = "fsdp"):
+           mode: str | None, world_size: int = 1, shard: str = "fsdp",
+           jobs: int | None = None):
     import torch
 
     from actune.memory import parse_budget, probe
@@ -194,7 +198,8 @@ def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
         raise _UsageError(f"--world-size {world_size} gives per-rank estimates: use --mode "
                           f"estimate (or leave --mode out without a GPU)")
     settings = Settings(parse_budget(budget, info), mode, "cuda" if cuda else "cpu",
-                        info.name if cuda else f"CPU ({platform.machine()})", sharding)
+                        info.name if cuda else f"CPU ({platform.machine()})", sharding,
+                        jobs)
     workload.check()
     return workload, level_list, settings
 
@@ -234,22 +239,26 @@ def _callbacks(progress, levels, json_path: Path | None, latest: _Latest):
     per = TRIALS_PER_LEVEL
     task = (progress.add_task("starting", total=len(levels) * per, done=0, levels=len(levels))
             if progress else None)
-    state = {"done": 0, "tried": 0}  # levels finished; trials of the level under way
+    done: list[str] = []  # the levels finished
+    tried: dict[str, int] = {}  # trials so far of each level under way (several run at once)
+
+    def completed() -> int:
+        return len(done) * per + sum(min(n, per - 1) for lv, n in tried.items()
+                                     if lv not in done)
 
     def on_probe(level, p):
         if progress:
             peak = f", peak {human_bytes(p.peak)}" if p.peak else ""
             verdict = "fits" if p.fits else "does not fit"
-            state["tried"] += 1
-            progress.update(task, description=f"{level.name}: trial {state['tried']}, size "
-                            f"{p.size:,} {verdict}{peak}",
-                            completed=state["done"] * per + min(state["tried"], per - 1))
+            tried[level.name] = tried.get(level.name, 0) + 1
+            progress.update(task, description=f"{level.name}: trial {tried[level.name]}, size "
+                            f"{p.size:,} {verdict}{peak}", completed=completed())
 
     def on_level(report):
         latest.report = report
         if progress:
-            state["done"], state["tried"] = len(report.levels), 0
-            progress.update(task, completed=state["done"] * per, done=state["done"])
+            done[:] = [row.level for row in report.levels]
+            progress.update(task, completed=completed(), done=len(done))
         if json_path is not None:
             _write_json(report, json_path)
 
@@ -295,6 +304,7 @@ def maxbatch(
                                                   "try.", show_default=False)] = None,
     world_size: WorldSize = 1,
     shard: Shard = "fsdp",
+    jobs: Jobs = None,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -304,7 +314,7 @@ def maxbatch(
 
     with _errors(debug):
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
-                                                world_size, shard)
+                                                world_size, shard, jobs)
         sizes = {"resolution": resolution} if resolution else {}
         t0 = time.perf_counter()
         report = _run_job(run.maxbatch, level_list, quiet, json_path, workload=workload,
@@ -332,6 +342,7 @@ def scale(
         show_default=False)] = None,
     world_size: WorldSize = 1,
     shard: Shard = "fsdp",
+    jobs: Jobs = None,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -341,7 +352,7 @@ def scale(
 
     with _errors(debug):
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
-                                                world_size, shard)
+                                                world_size, shard, jobs)
         workload.require(dim)
         _run_job(run.scale, level_list, quiet, json_path, workload=workload,
                  settings=settings, dim=dim, batch=batch,

@@ -186,3 +186,39 @@ def test_prediction_is_exact_on_any_monotone_peaks(increments, fraction, start, 
     assert result.value == expected
     sizes = [p.size for p in result.probes]
     assert len(sizes) == len(set(sizes))
+
+
+@given(limit=st.integers(2, 100000), base=st.integers(0, 10**6), step=st.sampled_from([1, 8]))
+def test_one_probe_and_the_bytes_that_do_not_grow_predict_a_line(limit, base, step):
+    """With the size-independent bytes of a probe (parameters, gradients, optimizer state),
+    one probe gives the line: the answer and its neighbour are the only other trials."""
+    per = 10
+    budget = base + per * limit
+
+    def trial(n: int) -> Probe:
+        return Probe(n, base + per * n <= budget, base + per * n, fixed=base)
+
+    result = largest_fitting(trial, start=step, step=step, budget=budget)
+    expected = limit // step * step
+    assert result.value == (expected if expected >= step else None)
+    if expected >= 2 * step:
+        assert len(result.probes) <= 3
+
+
+# Estimated peaks of a small MLP at a 2-bit level (storages rounded up to 512 bytes, so the
+# slope between two neighbouring batches is coarse): the local slope kept falling short and
+# the search walked the bracket two trials at a time (22 trials); answer 2,344.
+MLP_U2 = {8: 3425360, 1371: 10756688, 1372: 10761808, 1858: 13769808, 1859: 13775440,
+          2102: 15275600, 2103: 15281232, 2224: 16028752, 2225: 16040016, 2290: 16435792,
+          2291: 16441424, 2318: 16613968, 2319: 16619600, 2332: 16700496, 2333: 16706128,
+          2339: 16744528, 2340: 16749648, 2342: 16760400, 2343: 16766032, 2344: 16771152,
+          2345: 16782416, 2546: 18017872, 5000: 33000000}
+
+
+def test_a_local_slope_that_falls_short_is_used_once():
+    peak = interpolated(MLP_U2)
+    budget = 16 << 20
+    result = largest_fitting(lambda n: Probe(n, peak(n) <= budget, int(peak(n)), 3346992),
+                             start=8, budget=budget)
+    assert result.value == 2344
+    assert len(result.probes) <= 8, [p.size for p in result.probes]

@@ -94,6 +94,8 @@ class _PeakTracker(MemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._judge_sum()
+        if func is _DEVICE:  # fake tensors' device queries (the autograd engine's, 40% of an
+            return func(*args)  # estimate's operations) allocate nothing: no bookkeeping
         if (func is torch.ops.aten.add.Tensor and not kwargs and self._mod_tracker.is_bw
                 and not self._in_opt and _is_gradient_sum(args)):
             self._summing = args[:2]
@@ -150,6 +152,7 @@ class _PeakTracker(MemTracker):
         return f"{phase}, {inside or innermost}" + (f" ({kind})" if inside and kind else "")
 
 
+_DEVICE = torch.ops.prim.device.default
 _WRAPPERS = ("eval_frame.py", "_compile.py", "_python_dispatch.py", "mem_tracker.py",
              "peak.py")
 
@@ -229,6 +232,12 @@ class StepMeter:
                            tracker.where.get(dev[0][0], "") if dev else "")
         self._cache[batch] = result
         return result
+
+    def warm(self) -> None:
+        """Build the model and optimizer and take the warm-up step now (else the first
+        :meth:`peak` does)."""
+        with self._context():
+            self._warm()
 
     def _warm(self) -> None:
         if self.model is None:

@@ -7,6 +7,7 @@ actune.tune.probe``), so an out-of-memory error there poisons nothing, with a ti
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -25,7 +26,7 @@ from actune.tune.search import Probe
 from actune.tune.sharding import Sharding, bucket_bytes, process_group, shard
 from actune.tune.workload import Workload, from_source
 
-__all__ = ["ProbeError", "Trial", "prepare"]
+__all__ = ["ProbeError", "Trial", "prepare", "warm_up"]
 
 #: Seconds one isolated GPU trial may take.
 TRIAL_TIMEOUT = 600
@@ -77,8 +78,22 @@ class Trial:
 
     @functools.cached_property
     def meter(self) -> StepMeter:
-        """The meter of this trial's steps: the model is built and warmed up once."""
-        return StepMeter(*self._parts(), self.mode, self.device, self.round_to)
+        """The meter of this trial's steps: the model is built and warmed up once, and in an
+        estimate shared with every trial that builds the same model (:func:`_shared_key`)."""
+        meter = StepMeter(*self._parts(), self.mode, self.device, self.round_to)
+        key = _shared_key(self)
+        if key is None:
+            return meter
+        found = _WARM.get(key)
+        if found is not None and found[0] is self.workload:
+            meter.fake, meter.model, meter.opt = found[1:]
+            _WARM.move_to_end(key)
+        else:
+            meter.warm()
+            _WARM[key] = (self.workload, meter.fake, meter.model, meter.opt)
+            while len(_WARM) > _WARM_KEEP:
+                _WARM.popitem(last=False)
+        return meter
 
     def peak(self, batch: int) -> Peak:
         """Peak of one step at ``batch`` (raises on out-of-memory or any other error); per
@@ -100,7 +115,30 @@ class Trial:
             if is_oom(err) or (isinstance(err, ProbeError) and "out of memory" in str(err)):
                 return Probe(batch, False, None)
             raise
-        return Probe(batch, peak.total <= budget, peak.total)
+        return Probe(batch, peak.total <= budget, peak.total,
+                     peak.parameters + peak.gradients + peak.optimizer)
+
+
+#: Built and warmed-up fake models of recent estimate trials (the workload, the fake mode,
+#: the model, its optimizer), shared by the trials of every configuration that builds the same
+#: model: the levels differ only in how a step runs, not in the model or its optimizer state.
+_WARM: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+_WARM_KEEP = 4
+
+
+def _shared_key(trial: Trial) -> tuple | None:
+    """What the model of an estimate trial depends on (None: not shared; real tensors and
+    sharded models are built per trial)."""
+    if trial.mode != "estimate" or trial.sharding is not None:
+        return None
+    return (id(trial.workload), tuple(sorted(trial.sizes.items())), trial.config.checkpoint,
+            trial.device)
+
+
+def warm_up(trial: Trial) -> None:
+    """Build and warm up ``trial``'s model now (before trials are forked off, so that they
+    share it)."""
+    trial.meter  # noqa: B018 - the property builds it
 
 
 def blocks_of(workload: Workload, model: torch.nn.Module) -> list[torch.nn.Module]:

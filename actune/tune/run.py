@@ -22,7 +22,8 @@ from actune.memory import Budget
 from actune.report import LevelResult, Report
 from actune.tune.alternatives import Config, get_config
 from actune.tune.ceiling import parameter_bytes, parameter_state_ceiling
-from actune.tune.probe import Trial, prepare
+from actune.tune.parallel import available_workers, run_searches
+from actune.tune.probe import Trial, prepare, warm_up
 from actune.tune.search import Probe, largest_fitting
 from actune.tune.sharding import Sharding, per_rank_parameter_share, release
 from actune.tune.workload import Workload
@@ -41,6 +42,15 @@ class Settings:
     device: str = "cpu"
     device_name: str = "CPU"
     sharding: Sharding | None = None  # per rank of a data-parallel run
+    jobs: int | None = None  # searches side by side (None: one per core); estimates only
+
+    def workers(self, searches: int) -> int:
+        """How many searches run side by side: estimates of one device only (real steps
+        would share the machine they measure; a sharded job's fake process group is this
+        process's), at most one per core, ``jobs`` or searches."""
+        if self.mode != "estimate" or self.sharding is not None:
+            return 1
+        return max(1, min(searches, self.jobs or available_workers()))
 
     def trial(self, workload: Workload, config, sizes: dict) -> Trial:
         return Trial(workload, config, sizes, self.mode, self.device, self.round_to,
@@ -116,22 +126,55 @@ def maxbatch(workload: Workload, levels: list, settings: Settings, *,
     report = Report("maxbatch", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch",
                     {**sizes, **settings.fixed})
-    _each_level(report, levels, settings, on_level, lambda level: _maxbatch_level(
-        workload, level, settings, sizes, start, multiple_of, maximum, on_probe))
+    _each_level(report, levels, settings, on_level, on_probe,
+                lambda level, probed: _maxbatch_level(workload, level, settings, sizes, start,
+                                                      multiple_of, maximum, probed),
+                warm=lambda level: settings.trial(workload, level, sizes))
     return report
 
 
-def _each_level(report: Report, levels: list, settings: Settings,
-                on_level: Callable | None, search: Callable[[Config], LevelResult]) -> None:
-    """Search each configuration in turn (in an estimate, one that runs as an earlier one
-    takes its answer), adding each row as it finishes; the fake process group of a sharded
-    job ends with it."""
+def _each_level(report: Report, levels: list, settings: Settings, on_level: Callable | None,
+                on_probe: Callable | None, search: Callable[[Config, Callable], LevelResult],
+                warm: Callable[[Config], Trial] | None = None,
+                on_row: Callable[[LevelResult], None] | None = None) -> None:
+    """Search each configuration (``search(config, on_probe)``), side by side in forked
+    processes where the settings allow (:mod:`actune.tune.parallel`), and add the rows in the
+    order asked for, each as soon as those before it are in. In an estimate, a configuration
+    that runs as an earlier one takes its answer. ``warm(config)``: a trial whose model the
+    searches share, built before they are forked off. The fake process group of a sharded job
+    ends with it."""
+    configs = [get_config(lv) for lv in levels]
+    twins = {i for i, c in enumerate(configs) if settings.mode == "estimate" and any(
+        _estimated_as(e) == _estimated_as(c) for e in configs[:i])}
+    searched = [i for i in range(len(configs)) if i not in twins]
+    workers = settings.workers(len(searched))
+    rows: dict[int, LevelResult] = {}
     done: list[tuple[Config, LevelResult]] = []
     with _sharded(settings):
-        for level in map(get_config, levels):
-            row = _same_as_before(done, level, settings) or search(level)
-            done.append((level, row))
-            _add(report, row, on_level)
+        if workers > 1 and warm is not None:
+            for checkpoint in dict.fromkeys(configs[i].checkpoint for i in searched):
+                warm_up(warm(next(configs[i] for i in searched
+                                  if configs[i].checkpoint == checkpoint)))
+        for k, row in run_searches([configs[i] for i in searched], search, on_probe, workers,
+                                   cost=_search_cost):
+            rows[searched[k]] = row
+            while len(done) < len(configs):
+                config = configs[len(done)]
+                row = rows.get(len(done)) or _same_as_before(done, config, settings)
+                if row is None:
+                    break
+                if on_row:
+                    on_row(row)
+                done.append((config, row))
+                _add(report, row, on_level)
+
+
+def _search_cost(config: Config) -> int:
+    """A configuration's trials' relative cost in an estimate: each kind of tensor it packs,
+    offloading and recomputation add operations to every step."""
+    level = config.level
+    return ((level.matmul_bits is not None) + (level.other_bits is not None)
+            + config.offloads + 2 * config.checkpoint)
 
 
 def _estimated_as(config: Config) -> Config:
@@ -200,13 +243,22 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, dim,
                     {"batch": batch, **settings.fixed})
-    _each_level(report, levels, settings, on_level, lambda level: _scale_level(
-        report, workload, level, settings, dim, batch, unit, start, step, cap, on_probe))
+
+    def ceiling(row: LevelResult) -> None:  # the first level with an answer sets it
+        if dim in ("depth", "width") and row.value and report.ceiling is None:
+            report.ceiling = _ceiling(workload, dim, unit, row.value,
+                                      row.peak_parts["optimizer"], settings)
+
+    _each_level(report, levels, settings, on_level, on_probe,
+                lambda level, probed: _scale_level(workload, level, settings, dim, batch, unit,
+                                                   start, step, cap, probed),
+                warm=lambda level: settings.trial(workload, level, {dim: start * unit}),
+                on_row=ceiling)
     return report
 
 
-def _scale_level(report: Report, workload: Workload, level: Config, settings: Settings,
-                 dim: str, batch: int, unit: float, start: int, step: int, cap: int | None,
+def _scale_level(workload: Workload, level: Config, settings: Settings, dim: str, batch: int,
+                 unit: float, start: int, step: int, cap: int | None,
                  on_probe: Callable | None) -> LevelResult:
     trials: dict[int, Trial] = {}
 
@@ -222,22 +274,20 @@ def _scale_level(report: Report, workload: Workload, level: Config, settings: Se
                probes=[{**p, "size": p["size"] * unit} for p in _probes(result.probes)],
                complete=result.complete, capped=result.capped, note=_note(level, settings))
     if value:
-        peak = trials[result.value].peak(batch)
-        _fill(row, peak, level)
-        if dim in ("depth", "width") and report.ceiling is None:
-            report.ceiling = _ceiling(workload, dim, unit, value, peak, settings)
+        _fill(row, trials[result.value].peak(batch), level)
     return row
 
 
-def _ceiling(workload: Workload, dim: str, unit: float, value: float, peak,
+def _ceiling(workload: Workload, dim: str, unit: float, value: float, optimizer_bytes: int,
              settings: Settings) -> float | None:
     """The parameter-state ceiling, with the optimizer's bytes per parameter byte read off
-    ``peak`` (a trial at ``value``) and, under sharding, each rank's share."""
+    ``optimizer_bytes`` (those of a trial at ``value``) and, under sharding, each rank's
+    share."""
     share, extra = per_rank_parameter_share(settings.sharding)
     full = parameter_bytes(workload, **{dim: value})
     if not full:
         return None
-    optimizer = peak.optimizer / (full * share)
+    optimizer = optimizer_bytes / (full * share)
     return parameter_state_ceiling(workload, dim, unit, settings.budget.bytes,
                                    share * (2 + optimizer) + extra)
 

@@ -2,8 +2,9 @@
 
 ``fits(n)`` is assumed monotone (if n fits, every smaller n does). :func:`largest_fitting`
 grows geometrically from ``start`` until a size does not fit, then bisects; with peak bytes
-available (estimate mode) it first fits a line through two probes, predicts the answer and
-verifies it with at most two more. Every probe is recorded.
+available it first fits a line through two probes (or through one and the bytes that do
+not grow with the size), predicts the answer and verifies it and its neighbour. Every probe
+is recorded.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ __all__ = ["Probe", "SearchResult", "largest_fitting"]
 
 @dataclass(frozen=True)
 class Probe:
-    """One trial: the size, whether it fit, and its peak bytes when known."""
+    """One trial: the size, whether it fit, its peak bytes when known, and how much of that
+    peak does not grow with the size (``fixed``: a batch search's parameters, gradients and
+    optimizer state), which lets one probe predict."""
 
     size: int
     fits: bool
     peak: int | None = None
+    fixed: int | None = None
 
 
 @dataclass
@@ -119,19 +123,24 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
     bisection. Returns the (lo, hi) bracket reached (hi None: nothing failed yet, the caller
     grows geometrically).
     """
-    fit = [(lo, probe(lo).peak)]
+    start = probe(lo)
+    fit = [(lo, start.peak)]
     hi = hi_peak = None
-    first = lo * 2 if maximum is None else min(lo * 2, maximum)
-    if first == lo:
-        return lo, None
-    p = probe(first)
-    if p.fits:
-        lo = first
-        fit.append((first, p.peak))
-    else:
-        hi, hi_peak = first, p.peak
+    if start.fixed is not None and 0 <= start.fixed < start.peak:
+        fit.insert(0, (0, start.fixed))  # the line from the size-independent bytes predicts
+    else:  # a second size gives the line
+        first = lo * 2 if maximum is None else min(lo * 2, maximum)
+        if first == lo:
+            return lo, None
+        p = probe(first)
+        if p.fits:
+            lo = first
+            fit.append((first, p.peak))
+        else:
+            hi, hi_peak = first, p.peak
     check = False  # the last probe was a prediction that fit: probe the size after it
     moves: list[bool] = []  # which end each probe moved (True: lo)
+    spent = False  # a local slope already fell short inside the bracket
     while hi is None or hi - lo > step:
         if maximum is not None and lo >= maximum:
             return lo, None
@@ -139,8 +148,9 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
         if len(fit) > 1 and fit[-1][0] - fit[-2][0] == step:  # two neighbouring sizes fit
             local = (fit[-2], fit[-1])  # the slope where the answer is
             crossing = _crossing(local, budget)
-            if hi is not None and (crossing is None or crossing >= hi):
-                local = None  # it points past a size that failed: spent, use the bracket
+            if hi is not None and (crossing is None or crossing >= hi or spent):
+                local = None  # it points past a size that failed, or fell short: use the
+                # bracket (one step's slope is coarse where storages are rounded up)
         if local is not None:
             line = local
         elif hi is not None and hi_peak is not None:
@@ -152,12 +162,13 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
         stalled = (hi is not None and len(moves) >= 2 and moves[-1] == moves[-2] and not check
                    and local is None)
         guess = None if line is None or stalled else _crossing(line, budget)
+        predicted = not check and guess is not None
         if check:
             guess = lo + step
         elif guess is None:
             if hi is None:
                 return lo, None
-            guess = (lo + hi) // 2
+            guess = (lo + hi) // 2  # bisection: no neighbour to check
         guess = max(_round_down(guess, step), lo + step)
         if hi is not None:
             guess = min(guess, hi - step)
@@ -166,7 +177,8 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
         p = probe(guess)
         moves.append(p.fits)
         if p.fits:
-            check = not check
+            spent = spent or (line is local and local is not None and predicted)
+            check = predicted
             lo = guess
             fit.append((guess, p.peak))
         else:

@@ -327,7 +327,7 @@ def test_bench_at_max_names_the_fastest_configuration_that_fits(tmp_path):
 
 def test_progress_shows_the_trial_its_size_and_the_time_left():
     from actune import cli
-    from actune.report import Report
+    from actune.report import LevelResult, Report
     from actune.tune.alternatives import get_config
     from actune.tune.search import Probe
 
@@ -338,12 +338,16 @@ def test_progress_shows_the_trial_its_size_and_the_time_left():
     task = progress.tasks[0]
     assert task.description == "L0: trial 2, size 16 does not fit, peak 2.0 MiB"
     assert task.completed == 2 and task.total == 2 * cli.TRIALS_PER_LEVEL
-    report = Report("maxbatch", "m", "CPU", 1, "test", "estimate", "batch")
-    report.levels.append(object())
-    on_level(report)
-    assert task.fields["done"] == 1 and task.completed == cli.TRIALS_PER_LEVEL
-    on_probe(get_config("L3"), Probe(8, True, 2**20))
+    on_probe(get_config("L3"), Probe(8, True, 2**20))  # searched side by side with L0
     assert progress.tasks[0].description.startswith("L3: trial 1, size 8")
+    assert task.completed == 3
+    report = Report("maxbatch", "m", "CPU", 1, "test", "estimate", "batch")
+    report.levels.append(LevelResult("L0"))
+    on_level(report)
+    assert task.fields["done"] == 1 and task.completed == cli.TRIALS_PER_LEVEL + 1
+    on_probe(get_config("L3"), Probe(16, True, 2**20))
+    assert progress.tasks[0].description.startswith("L3: trial 2, size 16")
+    assert task.completed == cli.TRIALS_PER_LEVEL + 2
     names = [type(c).__name__ for c in progress.columns]
     assert "TimeRemainingColumn" in names
 

@@ -1,0 +1,124 @@
+"""Searches side by side in forked processes: the same rows as one after another."""
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from actune.memory import Budget
+from actune.tune import probe, run
+from actune.tune.alternatives import parse_configs
+from actune.tune.parallel import run_searches
+from actune.tune.workload import Workload, builtin
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
+
+
+def _square(item, on_probe):
+    on_probe(item, item)
+    on_probe(item, -item)
+    return item * item, os.getpid()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_each_result_comes_back_and_trials_reach_the_parent(workers):
+    seen = []
+    out = dict(run_searches([1, 2, 3, 4], _square, lambda item, p: seen.append((item, p)),
+                            workers, cost=lambda item: item))
+    assert {i: r[0] for i, r in out.items()} == {0: 1, 1: 4, 2: 9, 3: 16}
+    assert sorted(seen) == sorted((i, s * i) for i in (1, 2, 3, 4) for s in (1, -1))
+    forked = {pid for _, pid in out.values()} - {os.getpid()}
+    assert len(forked) == (0 if workers == 1 else 4)  # one process a search
+
+
+def _fails(item, on_probe):
+    raise ValueError(f"the model file's build_model failed for {item}")
+
+
+def test_an_error_in_a_search_is_raised_in_the_parent():
+    with pytest.raises(ValueError, match="build_model failed for a") as err:
+        list(run_searches(["a", "b"], _fails, None, 2))
+    assert any("in the search's process" in note for note in err.value.__notes__)
+
+
+def _until_interrupted(item, on_probe):
+    try:
+        for _ in range(400):  # 20 s at most
+            on_probe(item, 1)
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        return f"best so far of {item}"
+    return "not interrupted"
+
+
+def test_ctrl_c_interrupts_every_running_search_once_and_keeps_their_answers():
+    def ctrl_c(item, p):
+        raise KeyboardInterrupt
+
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for _i, row in run_searches(["x", "y", "z"], _until_interrupted, ctrl_c, 2):
+            got.append(row)
+    # x was searching (it sent the trial); y had perhaps not begun; z never started
+    assert "best so far of x" in got and set(got) <= {"best so far of x", "best so far of y"}
+
+
+def _blocks() -> nn.Module:
+    """Four repeated blocks (for ckpt), small enough that a trial takes milliseconds."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 256),
+                         nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256),
+                                                       nn.GELU()) for _ in range(4))),
+                         nn.Linear(256, 10))
+
+
+def _batch(n: int):
+    return torch.randn(n, 1, 8, 8), torch.randint(0, 10, (n,))
+
+
+def test_levels_side_by_side_give_the_rows_of_levels_one_after_another():
+    """Same answers, peaks and trials, in the order asked for; L5 takes L4's search and the
+    checkpointed configuration its own warmed-up model."""
+    workload = Workload("blocks", _blocks, _batch)
+    levels = parse_configs("L0,L3,L4,L5,ckpt")
+    reports = {}
+    for jobs in (1, 2):
+        probe._WARM.clear()
+        settings = run.Settings(Budget(16 << 20, "test"), "estimate", "cpu", "CPU", jobs=jobs)
+        seen = []
+        reports[jobs] = run.maxbatch(workload, levels, settings,
+                                     on_probe=lambda c, p, seen=seen: seen.append(c.name))
+        assert sorted(set(seen)) == ["L0", "L3", "L4", "ckpt"]
+    one, two = ([(r.level, r.value, r.peak_bytes, r.probes, r.note) for r in reports[j].levels]
+                for j in (1, 2))
+    assert two == one
+    assert [r[0] for r in one] == ["L0", "L3", "L4", "L5", "ckpt"]
+    assert one[3][1] == one[2][1] and "estimated as L4" in one[3][4]
+    assert all(r[1] and r[1] > 8 for r in one)
+
+
+def test_trials_of_one_model_share_its_build_and_warm_up():
+    """The second level's trial takes the first one's warmed-up model; its peak is what a
+    trial building its own model finds."""
+    workload = builtin("tinycnn")
+    builds = []
+    original = workload.factory
+
+    def counted(**sizes):
+        builds.append(sizes)
+        return original(**sizes)
+
+    workload.factory = counted
+    probe._WARM.clear()
+    shared = [probe.Trial(workload, level, {}).peak(32).total for level in ("L0", "L3", "L2")]
+    assert len(builds) == 1
+    fresh = []
+    for level in ("L0", "L3", "L2"):
+        probe._WARM.clear()
+        fresh.append(probe.Trial(workload, level, {}).peak(32).total)
+    assert shared == fresh and len(builds) == 4
+    probe._WARM.clear()
+    probe.Trial(workload, "L3", {}, "measure").peak(4)  # real tensors: built per trial
+    probe.Trial(workload, "L3", {}, "measure").peak(4)
+    assert len(builds) == 6
