@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from actune_kernels import layout
 
@@ -117,7 +118,7 @@ _pack_op = torch.library.custom_op("actune::pack", mutates_args=())(_pack_impl)
 
 
 @_pack_op.register_fake
-def _(x, bits, group_size, seed, stochastic, zero_code):
+def _fake_pack(x, bits, group_size, seed, stochastic, zero_code):
     n = x.numel()
     groups = -(-n // group_size)
     codes = x.new_empty((groups * (group_size * bits // 8),), dtype=torch.uint8)
@@ -149,7 +150,7 @@ _unpack_op = torch.library.custom_op("actune::unpack", mutates_args=())(_unpack_
 
 
 @_unpack_op.register_fake
-def _(codes, meta, bits, group_size, numel, dtype, zero_code):
+def _fake_unpack(codes, meta, bits, group_size, numel, dtype, zero_code):
     return codes.new_empty((numel,), dtype=dtype)
 
 
@@ -161,6 +162,18 @@ def _plain(t: torch.Tensor) -> bool:
     """Eager, real tensors call the kernels directly (the same function the op registers),
     skipping the dispatcher's overhead; fake tensors and traced code go through the op."""
     return type(t) is torch.Tensor and not torch.compiler.is_compiling()
+
+
+def _packer(t: torch.Tensor):
+    """The kernels for eager real tensors, the fake implementation for eager fake ones (an
+    estimate: shapes only, without the custom op's dispatch), the op when traced."""
+    if torch.compiler.is_compiling():
+        return _pack_op, _unpack_op
+    if type(t) is torch.Tensor:
+        return _pack_impl, _unpack_impl
+    if isinstance(t, FakeTensor):
+        return _fake_pack, _fake_unpack
+    return _pack_op, _unpack_op
 
 
 def _storage_order(x: torch.Tensor) -> torch.Tensor | None:
@@ -204,7 +217,7 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
         stride = dense.stride()
     else:  # packed in memory order; dequantize restores these strides
         stride = x.stride()
-    pack = _pack_impl if _plain(x) else _pack_op
+    pack = _packer(x)[0]
     codes, meta = pack(dense.reshape(-1), bits, group_size, -1 if seed is None else seed,
                        stochastic, zero_code)
     return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(stride),
@@ -214,7 +227,7 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
 def dequantize(p: PackedTensor) -> torch.Tensor:
     """The tensor ``p`` was made from, up to quantization error: same shape, dtype, device and
     memory layout (strides)."""
-    unpack = _unpack_impl if _plain(p.codes) else _unpack_op
+    unpack = _packer(p.codes)[1]
     flat = unpack(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype, p.zero_code)
     out = flat.as_strided(p.shape, p.stride)
     return out

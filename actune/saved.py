@@ -87,7 +87,7 @@ class Saved:
         self.prev = prev if self.host and not simulate else None
         self.ready = self.fetch = None
         if simulate:
-            self.packed = _to_device(packed, torch.device("meta"))
+            self.packed = _to_device(packed, torch.device("meta"), simulate=True)
         elif self.host:  # pinned host copies, copied asynchronously on the current stream
             self.packed = _to_device(packed, torch.device("cpu"), pin=True)
             self.ready = torch.cuda.Event()
@@ -139,7 +139,7 @@ class Saved:
         out = self.unpacked() if self.unpacked is not None else None
         if out is None:  # not alive in another node: dequantize
             if self.host and self.ready is None:  # simulated offload (estimates)
-                packed = _to_device(self.packed, self.device)
+                packed = _to_device(self.packed, self.device, simulate=True)
             else:
                 packed = self._from_host() if self.host else self.packed
             if isinstance(packed, torch.Tensor):
@@ -177,8 +177,13 @@ def _tensors(p) -> tuple[torch.Tensor, ...]:
     return (p.codes, p.meta)
 
 
-def _to_device(p, device: torch.device, pin: bool = False):
+def _to_device(p, device: torch.device, pin: bool = False, simulate: bool = False):
+    """``p``'s tensors on ``device`` (``pin``: in pinned host memory; ``simulate``: fake
+    tensors, whose values do not matter: new ones of the same shape, a cheaper operation)."""
+
     def move(t: torch.Tensor) -> torch.Tensor:
+        if simulate:
+            return torch.empty_like(t, device=device)
         if pin:
             host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
             return host.copy_(t, non_blocking=True)
@@ -189,7 +194,8 @@ def _to_device(p, device: torch.device, pin: bool = False):
     if isinstance(p, PackedMask):
         return PackedMask(move(p.bits8), p.shape)
     if isinstance(p, PackedSamples):
-        return dataclasses.replace(p, parts=tuple((move(idx), _to_device(part, device, pin))
+        return dataclasses.replace(p, parts=tuple((move(idx), _to_device(part, device, pin,
+                                                                          simulate))
                                                   for idx, part in p.parts))
     if isinstance(p, PackedRows):
         return dataclasses.replace(p, codes=move(p.codes), meta=move(p.meta),

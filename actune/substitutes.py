@@ -116,18 +116,23 @@ class LeanBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, overwrite,
                 save):
-        var, mean = _channel_moments(x)
-        invstd = (var + eps).rsqrt()
         count = x.numel() // x.shape[1]
-        if running_mean is not None:
-            running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-        if running_var is not None:
-            running_var.mul_(1 - momentum).add_(var, alpha=momentum * count / max(count - 1, 1))
+        if isinstance(x, FakeTensor):  # an estimate: the same allocations, no arithmetic
+            mean, invstd = _fake_moments(x)  # (running statistics change in place: no bytes)
+            scale, shift = torch.empty_like(mean), torch.empty_like(mean)
+        else:
+            var, mean = _channel_moments(x)
+            invstd = (var + eps).rsqrt()
+            if running_mean is not None:
+                running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+            if running_var is not None:
+                running_var.mul_(1 - momentum).add_(var, alpha=momentum * count
+                                                    / max(count - 1, 1))
+            scale = invstd if weight is None else invstd * weight
+            shift = -mean * scale if bias is None else bias - mean * scale
         ctx.x = save(x)
         ctx.stats = (mean, invstd, count)
         ctx.save_for_backward(weight)
-        scale = invstd if weight is None else invstd * weight
-        shift = -mean * scale if bias is None else bias - mean * scale
         if overwrite and ctx.x is not x:
             ctx.mark_dirty(x)
             return x.mul_(_per_channel(scale, x)).add_(_per_channel(shift, x))
@@ -141,6 +146,8 @@ class LeanBatchNorm(torch.autograd.Function):
         saved = take(ctx, "x")
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x = saved.fresh() if isinstance(saved, Saved) else saved.clone()
+        if isinstance(x, FakeTensor):  # an estimate: the same allocations, no arithmetic
+            return _fake_norm_backward(x, grad, need_x, need_w, need_b)
         gw, gb = _channel_sums(grad, x, mean, invstd, weight)  # sum(grad * x_hat), sum(grad)
         # grad_x = k (grad - gb / M - x_hat gw / M), k = weight * invstd, as a*x + b + k*grad
         k = invstd if weight is None else invstd * weight
@@ -177,6 +184,28 @@ def _channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         squares = squares + deviation.square_().sum(dims)
     shift = shift / count
     return squares / count - shift.square(), first + shift
+
+
+def _fake_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`_channel_moments` allocates, on fake tensors: two deviations of an eighth
+    of the batch alive at once (the loop's next one is made before the last is freed), then
+    two per-channel results."""
+    eighth = (-(-x.shape[0] // 8), *x.shape[1:])  # (the bytes are what count: any layout)
+    deviations = [x.new_empty(eighth), x.new_empty(eighth)]
+    del deviations
+    return x.new_empty(x.shape[1]), x.new_empty(x.shape[1])
+
+
+def _fake_norm_backward(x: torch.Tensor, grad: torch.Tensor, need_x: bool, need_w: bool,
+                        need_b: bool) -> tuple:
+    """:class:`LeanBatchNorm`'s backward on fake tensors: the per-channel sums with the
+    eighth-sized temporary the estimate counts for them (see :func:`_channel_sums`), and the
+    input gradient written over ``x``."""
+    temporary = x.new_empty((-(-x.shape[0] // 8), *x.shape[1:]))
+    del temporary
+    gw, gb = x.new_empty(x.shape[1]), x.new_empty(x.shape[1])
+    return (x if need_x else None, gw if need_w else None, gb if need_b else None,
+            None, None, None, None, None, None)
 
 
 def _channel_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
