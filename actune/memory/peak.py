@@ -73,6 +73,16 @@ class _PeakTracker(MemTracker):
         self._entered: dict[str, tuple[int, str]] = {}
         self._clock = 0
 
+    # MemTracker's module hooks copy a whole snapshot, and size each module's inputs and
+    # outputs, four times per module and step, for per-module figures this class does not
+    # keep: only the step's peak is read ("peak" snapshot).
+
+    def get_tracker_snapshot(self, type: str = "current"):  # MemTracker names it so
+        return {} if type == "current" else super().get_tracker_snapshot(type)
+
+    def _track_inputs_or_outputs(self, args) -> int:
+        return 0
+
     def _pre_fw_hook(self, module, inputs) -> None:
         self._enter(module)
         super()._pre_fw_hook(module, inputs)
@@ -187,17 +197,20 @@ class StepMeter:
     """Peaks of training steps of one model at several batch sizes.
 
     The model and optimizer are built once and warmed up with one step (so optimizer state
-    exists: the steady state), then each :meth:`peak` tracks one step. ``mode`` is
+    exists: the steady state; ``warm_optimizer_only``, in an estimate: one optimizer step on
+    zero gradients, which leaves the same state for a fraction of the operations), then each
+    :meth:`peak` tracks one step. ``mode`` is
     ``estimate`` (fake tensors, no arithmetic) or ``measure`` (real tensors on ``device``).
     """
 
     def __init__(self, build: BuildModel, step: Step, mode: str = "estimate",
                  device: str = "cpu", round_to: int | None = None,
-                 warmup_batch: int = 2) -> None:
+                 warmup_batch: int = 2, warm_optimizer_only: bool = False) -> None:
         if mode not in ("estimate", "measure"):
             raise ValueError(f"mode must be 'estimate' or 'measure', not {mode!r}")
         self.build, self.step, self.mode, self.device = build, step, mode, device
         self.round_to, self.warmup_batch = round_to, warmup_batch
+        self.warm_optimizer_only = warm_optimizer_only and mode == "estimate"
         self.fake = FakeTensorMode() if mode == "estimate" else None
         self.model = self.opt = None
         self._cache: dict[int, Peak] = {}
@@ -242,7 +255,21 @@ class StepMeter:
     def _warm(self) -> None:
         if self.model is None:
             self.model, self.opt = self.build()
-            self.step(self.model, self.opt, self.warmup_batch, lambda _s: None)
+            if self.warm_optimizer_only:  # fake tensors: the state, without a whole step
+                _step_optimizer(self.model, self.opt)
+            else:
+                self.step(self.model, self.opt, self.warmup_batch, lambda _s: None)
+
+
+def _step_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One optimizer step on zero gradients: the optimizer's state (momentum, Adam's moments)
+    exists afterwards as after a training step, and the gradients are gone, as a step's
+    ``zero_grad(set_to_none=True)`` leaves them."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _measure_cuda(meter: StepMeter, batch: int) -> Peak:  # pragma: no cover - needs a GPU

@@ -21,7 +21,7 @@ __all__ = ["parameter_bytes", "parameter_state_ceiling"]
 def parameter_bytes(workload: Workload, **sizes) -> int:
     """Bytes of the model's parameters at ``sizes``, built on the meta device."""
     with torch.device("meta"):
-        model = workload.model(**sizes)
+        model = workload.model(False, **sizes)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 

@@ -60,8 +60,8 @@ class Trial:
         mesh = (process_group(sharding.world_size) if sharding and sharding.kind == "fsdp"
                 else None)  # made outside fake tensors
 
-        def build():
-            model = prepare(wl, config, wl.model(**sizes))
+        def build():  # (in an estimate, initial values are not set: nothing reads them)
+            model = prepare(wl, config, wl.model(self.mode != "estimate", **sizes))
             if mesh is not None:
                 shard(model, sharding, blocks_of(wl, model), mesh)
             return model, wl.optimizer(model.parameters())
@@ -80,7 +80,8 @@ class Trial:
     def meter(self) -> StepMeter:
         """The meter of this trial's steps: the model is built and warmed up once, and in an
         estimate shared with every trial that builds the same model (:func:`_shared_key`)."""
-        meter = StepMeter(*self._parts(), self.mode, self.device, self.round_to)
+        meter = StepMeter(*self._parts(), self.mode, self.device, self.round_to,
+                          warm_optimizer_only=self.sharding is None)
         key = _shared_key(self)
         if key is None:
             return meter

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from actune import data, zoo
 from actune.data import Dataset
@@ -83,10 +84,16 @@ class Workload:
         except ValueError as err:
             raise WorkloadError(f"{self.name}: make_dataset(): {err}.") from None
 
-    def model(self, **sizes) -> nn.Module:
-        """The model at ``sizes`` (scalable keywords only)."""
+    def model(self, values: bool = True, **sizes) -> nn.Module:
+        """The model at ``sizes`` (scalable keywords only). ``values=False``: for fake or meta
+        tensors, whose values nothing reads, the in-place initialisation of its parameters
+        is skipped (on fake tensors each is an operation of its own: seconds for a deep
+        model)."""
         kwargs = {k: v for k, v in sizes.items() if k in self.dims}
-        return self._call("build_model()", self.factory, **kwargs)
+        if values:
+            return self._call("build_model()", self.factory, **kwargs)
+        with _ShapesOnly():
+            return self._call("build_model()", self.factory, **kwargs)
 
     def make_batch(self, batch: int, resolution=None) -> tuple:
         """A batch of ``batch`` samples, its tensors on the current default device (the one a
@@ -186,6 +193,27 @@ class Workload:
                         "(actune puts the batch on the device the step runs on).")
             raise WorkloadError(f"{self.name}: {what} raised {type(err).__name__}: "
                                 f"{_first_line(err)}{hint}") from err
+
+
+#: In-place tensor methods that only set values (what ``torch.nn.init`` and modules'
+#: ``reset_parameters`` call); none changes a shape.
+_SETS_VALUES = frozenset(
+    f"{name}_" for name in ("uniform", "normal", "fill", "zero", "copy", "bernoulli",
+                            "exponential", "random", "erfinv", "mul", "add", "sub", "div",
+                            "clamp", "abs", "sqrt", "neg", "exp", "log", "trunc", "fmod",
+                            "addcmul", "addcdiv", "masked_fill", "index_fill"))
+
+
+class _ShapesOnly(TorchFunctionMode):
+    """Skip the value-setting in-place calls made without gradients (initialisation) while a
+    model of fake or meta tensors is built."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (args and getattr(func, "__name__", None) in _SETS_VALUES
+                and not torch.is_grad_enabled() and isinstance(args[0], torch.Tensor)
+                and (args[0].is_meta or isinstance(args[0], FakeTensor))):
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def _to_device(value, device: torch.device):

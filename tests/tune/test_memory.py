@@ -1,5 +1,7 @@
 """Budgets, the NVML probe, and estimated against measured peaks."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -168,3 +170,21 @@ def test_the_peak_says_where_it_is(wide, where):
 
     for mode in ("estimate", "measure"):  # the fake step and the real CPU step agree
         assert StepMeter(build, step, mode).peak(256).where == where
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("level", ["L0", "L3"])
+def test_an_optimizer_step_alone_warms_an_estimate_as_a_training_step_does(optimizer, level):
+    """In an estimate the warm-up is one optimizer step on zero gradients: the optimizer's
+    state is what a training step leaves, so every figure of the tracked step is the same."""
+    from actune.memory import StepMeter
+
+    workload = builtin("resnet18")
+    if optimizer == "adamw":
+        workload = dataclasses.replace(
+            workload, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    trial = Trial(workload, level, {"resolution": 32})
+    peaks = [StepMeter(*trial._parts(), "estimate", warm_optimizer_only=cheap).peak(16)
+             for cheap in (False, True)]
+    assert peaks[0] == peaks[1]
+    assert peaks[0].optimizer > 0

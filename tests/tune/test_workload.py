@@ -241,3 +241,25 @@ def test_a_missing_transformers_names_the_extra(tmp_path, monkeypatch):
     path = Path(__file__).parents[2] / "docs" / "examples" / "hf_gpt2.py"
     with pytest.raises(WorkloadError, match=r"pip install 'actune\[hf\]'"):
         load(path)
+
+
+def test_a_model_for_fake_or_meta_tensors_is_built_without_setting_its_values():
+    """values=False skips the initialisation's in-place calls on meta (or fake) tensors:
+    the same parameters and buffers, shapes and dtypes, for fewer operations; real tensors
+    are initialised as ever."""
+    import torch
+
+    from actune.tune.workload import builtin
+
+    workload = builtin("resnet18")
+    with torch.device("meta"):
+        plain, lean = workload.model(), workload.model(False)
+    shapes = [(n, p.shape, p.dtype) for n, p in plain.named_parameters()]
+    assert shapes == [(n, p.shape, p.dtype) for n, p in lean.named_parameters()]
+    assert [(n, b.shape) for n, b in plain.named_buffers()] == \
+        [(n, b.shape) for n, b in lean.named_buffers()]
+    torch.manual_seed(0)
+    real = workload.model(False)  # not meta: set as usual
+    torch.manual_seed(0)
+    assert torch.equal(real.conv1.weight, workload.model().conv1.weight)
+    assert real.bn1.weight.eq(1).all()
