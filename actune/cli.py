@@ -116,6 +116,10 @@ Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 PerSample = Annotated[bool, typer.Option("--per-sample/--per-tensor", help="Mixed-precision "
                                          "levels (L3-L5, 2b...) choose bits per sample too, or "
                                          "only per tensor.")]
+PlotOpt = Annotated[Path | None, typer.Option(
+    help="Draw samples/s of real training steps against batch size per level to this PNG, "
+    "each level up to its own batch (needs matplotlib).", show_default=False,
+    callback=_output_file("throughput.png"))]
 Jobs = Annotated[int | None, typer.Option(
     "--jobs", "-j", min=1, help="Levels searched side by side in estimate mode, one process "
     "each (default: one per CPU core; 1: one after another).", show_default=False)]
@@ -305,6 +309,7 @@ def maxbatch(
     world_size: WorldSize = 1,
     shard: Shard = "fsdp",
     jobs: Jobs = None,
+    plot: PlotOpt = None,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -313,6 +318,8 @@ def maxbatch(
     from actune.tune import run
 
     with _errors(debug):
+        if plot is not None:
+            _require_matplotlib()
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
                                                 world_size, shard, jobs)
         sizes = {"resolution": resolution} if resolution else {}
@@ -323,6 +330,7 @@ def maxbatch(
         if not quiet:
             console.print(f"{sum(len(r.probes) for r in report.levels)} probes in "
                           f"{time.perf_counter() - t0:.1f} s")
+        _plot(plot, workload, level_list, settings, report, sizes, quiet)
 
 
 @app.command(cls=_Command)
@@ -372,10 +380,7 @@ def bench(
     warmup: Annotated[int, typer.Option(min=0, help="Untimed steps first.")] = 2,
     budget: BudgetOpt = None,
     mode: ModeOpt = None,
-    plot: Annotated[Path | None, typer.Option(help="Draw samples/s against batch size per "
-                                              "level to this PNG (needs matplotlib).",
-                                              show_default=False,
-                                              callback=_output_file("throughput.png"))] = None,
+    plot: PlotOpt = None,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -394,12 +399,20 @@ def bench(
         report = _run_job(run.bench, level_list, quiet, json_path, workload=workload,
                           settings=settings, batch=batch, at_max=at_max,
                           sizes=sizes, steps=steps, warmup=warmup)
-        if plot is not None:
-            from actune.plot import throughput_curves
+        _plot(plot, workload, level_list, settings, report, sizes, quiet)
 
-            throughput_curves(workload, level_list, settings, report, sizes, plot)
-            if not quiet:
-                console.print(f"plot written to {plot}")
+
+def _plot(plot: Path | None, workload, level_list, settings, report, sizes: dict,
+          quiet: bool) -> None:
+    """``--plot``: samples/s of real steps against batch size, each level up to its row's
+    batch (its own max batch after maxbatch or bench --at-max)."""
+    if plot is None:
+        return
+    from actune.plot import throughput_curves
+
+    throughput_curves(workload, level_list, settings, report, sizes, plot)
+    if not quiet:
+        console.print(f"plot written to {plot}")
 
 
 def _require_matplotlib() -> None:

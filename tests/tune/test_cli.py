@@ -390,3 +390,26 @@ def test_bench_keeps_a_model_files_own_resolution_unless_one_is_given(tmp_path):
     result = run("bench", str(path), "--resolution", "4", *common)
     assert result.exit_code == 0, result.output
     assert seen.read_text() == "4"
+
+
+def test_maxbatch_plot_draws_each_level_up_to_its_own_max_batch(tmp_path, monkeypatch):
+    from actune.tune import run as tune_run
+
+    timed = []
+
+    def throughput(workload, level, batch, sizes, device, steps=5, warmup=2):
+        timed.append((level.name, batch))
+        return 100.0 + batch
+
+    monkeypatch.setattr(tune_run, "throughput", throughput)
+    png, out = tmp_path / "curves.png", tmp_path / "r.json"
+    result = run("maxbatch", "--model", "tinycnn", "--budget", "64MiB", "--levels", "L0,L3",
+                 "--plot", str(png), "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    best = {row["level"]: row["value"] for row in json.loads(out.read_text())["levels"]}
+    assert best["L3"] > best["L0"]
+    for level, top in best.items():  # four points halving from the level's own max batch
+        assert sorted(b for name, b in timed if name == level) == \
+            sorted({max(1, top >> k) for k in range(4)})
+    assert "plot written to" in result.output
