@@ -106,6 +106,10 @@ class _PeakTracker(MemTracker):
         self._judge_sum()
         if func is _DEVICE:  # fake tensors' device queries (the autograd engine's, 40% of an
             return func(*args)  # estimate's operations) allocate nothing: no bookkeeping
+        if func.is_view and mem_tracker.DTensor not in types:  # a view of tracked storage
+            out = func(*args, **(kwargs or {}))  # changes no count: no bookkeeping either
+            if self._tracked(out):
+                return out
         if (func is torch.ops.aten.add.Tensor and not kwargs and self._mod_tracker.is_bw
                 and not self._in_opt and _is_gradient_sum(args)):
             self._summing = args[:2]
@@ -114,6 +118,12 @@ class _PeakTracker(MemTracker):
             finally:
                 self._summing = None
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _tracked(self, out) -> bool:
+        """Are the storages of ``out`` (a tensor or a sequence of them) all counted already?"""
+        tensors = out if isinstance(out, list | tuple) else (out,)
+        return all(isinstance(t, torch.Tensor) and t.untyped_storage() in self._WINFO
+                   for t in tensors)
 
     def __exit__(self, *args):
         self._judge_sum()
