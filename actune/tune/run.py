@@ -155,18 +155,27 @@ def _each_level(report: Report, levels: list, settings: Settings, on_level: Call
             for checkpoint in dict.fromkeys(configs[i].checkpoint for i in searched):
                 warm_up(warm(next(configs[i] for i in searched
                                   if configs[i].checkpoint == checkpoint)))
-        for k, row in run_searches([configs[i] for i in searched], search, on_probe, workers,
-                                   cost=_search_cost):
-            rows[searched[k]] = row
-            while len(done) < len(configs):
-                config = configs[len(done)]
-                row = rows.get(len(done)) or _same_as_before(done, config, settings)
-                if row is None:
-                    break
-                if on_row:
-                    on_row(row)
-                done.append((config, row))
-                _add(report, row, on_level)
+        try:
+            for k, row in run_searches([configs[i] for i in searched], search, on_probe,
+                                       workers, cost=_search_cost):
+                rows[searched[k]] = row
+                while len(done) < len(configs):
+                    config = configs[len(done)]
+                    row = rows.get(len(done)) or _same_as_before(done, config, settings)
+                    if row is None:
+                        break
+                    if on_row:
+                        on_row(row)
+                    done.append((config, row))
+                    _add(report, row, on_level)
+        except KeyboardInterrupt:  # keep every row that came back (searched side by side, a
+            late = [rows[i] for i in range(len(done), len(configs)) if i in rows]  # later
+            if late:  # level may have finished before an earlier one), in the order asked for
+                report.levels.extend(late)
+                report.relate_to_l0()
+                if on_level:
+                    on_level(report)
+            raise
 
 
 def _search_cost(config: Config) -> int:

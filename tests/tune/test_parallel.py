@@ -122,3 +122,23 @@ def test_trials_of_one_model_share_its_build_and_warm_up():
     probe.Trial(workload, "L3", {}, "measure").peak(4)  # real tensors: built per trial
     probe.Trial(workload, "L3", {}, "measure").peak(4)
     assert len(builds) == 6
+
+
+def test_ctrl_c_keeps_the_rows_that_came_back_in_the_order_asked_for():
+    """The costliest searches start first; interrupted after the first trial, the running
+    searches send their best so far and the report keeps them (L0, never started, is left
+    out)."""
+    workload = Workload("blocks", _blocks, _batch)
+    settings = run.Settings(Budget(16 << 20, "test"), "estimate", "cpu", "CPU", jobs=2)
+    kept, reports = [], []
+
+    def ctrl_c(config, probe):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run.maxbatch(workload, parse_configs("L0,L3,L4"), settings, on_probe=ctrl_c,
+                     on_level=lambda report: (kept.append([r.level for r in report.levels]),
+                                              reports.append(report)))
+    # the search that sent the trial is kept; the other one too unless it had not begun
+    assert kept[-1] in (["L3", "L4"], ["L3"], ["L4"])
+    assert all(not r.complete for r in reports[-1].levels)
