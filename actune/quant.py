@@ -164,6 +164,11 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and not torch.compiler.is_compiling()
 
 
+def _shapes_only(t: torch.Tensor) -> bool:
+    """A fake tensor outside tracing (an estimate): only shapes and bytes matter."""
+    return isinstance(t, FakeTensor) and not torch.compiler.is_compiling()
+
+
 def _packer(t: torch.Tensor):
     """The kernels for eager real tensors, the fake implementation for eager fake ones (an
     estimate: shapes only, without the custom op's dispatch), the op when traced."""
@@ -210,6 +215,10 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
         raise ValueError(f"seed must be in [0, 2**62), got {seed}")
     if zero_code and bits < 2:
         raise ValueError("zero_code needs at least 2 bits (code 0 is taken by the zeros)")
+    if x.is_contiguous() and _shapes_only(x):  # an estimate: no detach, no flat view
+        codes, meta = _fake_pack(x, bits, group_size, 0, stochastic, zero_code)
+        return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(x.stride()),
+                            zero_code)
     x = x.detach()
     dense = _storage_order(x)
     if dense is None:  # overlapping or with gaps: pack a row-major copy
@@ -227,6 +236,8 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
 def dequantize(p: PackedTensor) -> torch.Tensor:
     """The tensor ``p`` was made from, up to quantization error: same shape, dtype, device and
     memory layout (strides)."""
+    if _shapes_only(p.codes):  # an estimate: the output's storage in one operation
+        return p.codes.new_empty_strided(p.shape, p.stride, dtype=p.dtype)
     unpack = _packer(p.codes)[1]
     flat = unpack(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype, p.zero_code)
     out = flat.as_strided(p.shape, p.stride)
