@@ -6,7 +6,8 @@ the workload, and any model already built and warmed up (:func:`actune.tune.prob
 without pickling either. Each child sends its trials (for the progress bar) and its row back
 through a queue; rows are yielded as they finish. Ctrl-C in the parent interrupts every
 running search once, and each sends back its best answer so far, as a search in this process
-does. Where ``fork`` is missing (Windows, or one core), searches run here, one after another.
+does. Off Linux (no ``fork`` on Windows; on macOS it is unsafe once system frameworks run
+threads) the searches run here, one after another, as they do on one core.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import pickle
 import queue as queues
 import signal
+import sys
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +39,12 @@ def available_workers() -> int:
         return os.cpu_count() or 1
 
 
+def can_fork() -> bool:
+    """Linux only: elsewhere ``fork`` is missing (Windows) or unsafe once system frameworks
+    have started threads (macOS), so the searches run one after another."""
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
 def run_searches(items: Sequence, search: Callable, on_probe: Callable | None,
                  workers: int, cost: Callable | None = None) -> Iterator[tuple[int, object]]:
     """``search(item, on_probe)`` for each item, yielding ``(index, result)`` as each ends:
@@ -44,7 +52,7 @@ def run_searches(items: Sequence, search: Callable, on_probe: Callable | None,
     ``workers`` forked processes at once, started costliest first (``cost(item)``: a guess
     at the relative time, so that the longest search does not start last). An error in a
     search is raised here."""
-    if workers <= 1 or len(items) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+    if workers <= 1 or len(items) <= 1 or not can_fork():
         for i, item in enumerate(items):
             yield i, search(item, on_probe)
         return

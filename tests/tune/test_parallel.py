@@ -10,10 +10,10 @@ from torch import nn
 from actune.memory import Budget
 from actune.tune import probe, run
 from actune.tune.alternatives import parse_configs
-from actune.tune.parallel import run_searches
+from actune.tune.parallel import can_fork, run_searches
 from actune.tune.workload import Workload, builtin
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
+pytestmark = pytest.mark.skipif(not can_fork(), reason="searches are forked on Linux only")
 
 
 def _square(item, on_probe):
