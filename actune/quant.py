@@ -169,18 +169,6 @@ def _shapes_only(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor) and not torch.compiler.is_compiling()
 
 
-def _packer(t: torch.Tensor):
-    """The kernels for eager real tensors, the fake implementation for eager fake ones (an
-    estimate: shapes only, without the custom op's dispatch), the op when traced."""
-    if torch.compiler.is_compiling():
-        return _pack_op, _unpack_op
-    if type(t) is torch.Tensor:
-        return _pack_impl, _unpack_impl
-    if isinstance(t, FakeTensor):
-        return _fake_pack, _fake_unpack
-    return _pack_op, _unpack_op
-
-
 def _storage_order(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` permuted so that its memory order is row-major, or None if it is not dense."""
     if x.is_contiguous():
@@ -215,7 +203,7 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
         raise ValueError(f"seed must be in [0, 2**62), got {seed}")
     if zero_code and bits < 2:
         raise ValueError("zero_code needs at least 2 bits (code 0 is taken by the zeros)")
-    if x.is_contiguous() and _shapes_only(x):  # an estimate: no detach, no flat view
+    if _shapes_only(x) and x.is_contiguous():  # an estimate: no detach, no flat view
         codes, meta = _fake_pack(x, bits, group_size, 0, stochastic, zero_code)
         return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(x.stride()),
                             zero_code)
@@ -226,7 +214,7 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
         stride = dense.stride()
     else:  # packed in memory order; dequantize restores these strides
         stride = x.stride()
-    pack = _packer(x)[0]
+    pack = _fake_pack if _shapes_only(x) else _pack_impl if _plain(x) else _pack_op
     codes, meta = pack(dense.reshape(-1), bits, group_size, -1 if seed is None else seed,
                        stochastic, zero_code)
     return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(stride),
@@ -238,7 +226,7 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     memory layout (strides)."""
     if _shapes_only(p.codes):  # an estimate: the output's storage in one operation
         return p.codes.new_empty_strided(p.shape, p.stride, dtype=p.dtype)
-    unpack = _packer(p.codes)[1]
+    unpack = _unpack_impl if _plain(p.codes) else _unpack_op
     flat = unpack(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype, p.zero_code)
     out = flat.as_strided(p.shape, p.stride)
     return out

@@ -147,7 +147,7 @@ class LeanBatchNorm(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x = saved.fresh() if isinstance(saved, Saved) else saved.clone()
         if isinstance(x, FakeTensor):  # an estimate: the same allocations, no arithmetic
-            return _fake_norm_backward(x, grad, need_x, need_w, need_b)
+            return _fake_norm_backward(x, need_x, need_w, need_b)
         gw, gb = _channel_sums(grad, x, mean, invstd, weight)  # sum(grad * x_hat), sum(grad)
         # grad_x = k (grad - gb / M - x_hat gw / M), k = weight * invstd, as a*x + b + k*grad
         k = invstd if weight is None else invstd * weight
@@ -196,8 +196,7 @@ def _fake_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape[1]), x.new_empty(x.shape[1])
 
 
-def _fake_norm_backward(x: torch.Tensor, grad: torch.Tensor, need_x: bool, need_w: bool,
-                        need_b: bool) -> tuple:
+def _fake_norm_backward(x: torch.Tensor, need_x: bool, need_w: bool, need_b: bool) -> tuple:
     """:class:`LeanBatchNorm`'s backward on fake tensors: the per-channel sums with the
     eighth-sized temporary the estimate counts for them (see :func:`_channel_sums`), and the
     input gradient written over ``x``."""
