@@ -157,6 +157,9 @@ class _Slot:
     cost: np.ndarray | None = None  # C per sample, sorted largest first (or [C])
     quartic: np.ndarray | None = None  # the 1/B**4 coefficient, in the same order
     bits: np.ndarray | None = None  # bits per rank
+    #: saved tensors the slot stands for in the budget (2: a layer norm's output, rebuilt
+    #: from its packed input, is a second saved tensor that keeps no bits of its own)
+    shares: int = 1
     # gathered on a statistics step, on the device
     noise: torch.Tensor | None = None  # per-sample rounding noise at one bit
     direct: torch.Tensor | None = None  # per sample: sum of fan_in * |grad|^2 over matmuls
@@ -332,7 +335,13 @@ class AutoPrecision:
                 if plan.weight is not None:
                     slot.score = slot.score * plan.weight
 
-    def watch(self, slots: Sequence[int], output: torch.Tensor,
+    def share(self, slot: int) -> None:
+        """Slot ``slot`` serves one more saved tensor (statistics steps): the budget counts
+        its elements once more, and it keeps them in one packed copy."""
+        if self._collecting and slot < len(self._fresh):
+            self._fresh[slot].shares += 1
+
+    def watch(self, slots: Sequence[int | tuple[int, torch.Tensor]], output: torch.Tensor,
               factor: float | torch.Tensor, *, relayed: bool,
               size: torch.Tensor | None = None,
               norm: tuple | None = None, reach_all: bool = True) -> None:
@@ -348,12 +357,17 @@ class AutoPrecision:
         and through ``x_hat * mean(grad * eps_hat)``, shared by a channel's elements
         (coherent); see docs/autoprec.md. ``reach_all=False``: relayed noise perturbs only the
         nearest matmul below (a residual branch's noise, diluted beyond it by the skip path's
-        gradient)."""
+        gradient). A slot given as ``(slot, scale)`` is read with its noise times ``scale``
+        (a tensor rebuilt from it, :class:`actune.saved.Derived`)."""
         if not (self._collecting and output.requires_grad and type(output) is torch.Tensor):
             return
         position = self._position
         self._position += 1
-        fresh = [self._fresh[i] for i in slots if i < len(self._fresh)]
+        fresh = []
+        for entry in slots:
+            i, scale = entry if isinstance(entry, tuple) else (entry, None)
+            if i < len(self._fresh):
+                fresh.append((self._fresh[i], scale))
         if not fresh and size is None:
             return
 
@@ -366,11 +380,13 @@ class AutoPrecision:
                 if size is not None:
                     self._sizes.append((position, total * size))
                 entries = []
-                for s in fresh:
+                for s, scale in fresh:
                     if s.samples > 1 and per_row.numel() == s.samples:
                         w = per_row
                     else:
                         w = (total / s.samples).expand(s.samples)
+                    if scale is not None:
+                        w = w * scale
                     if relayed:
                         share = w / total.clamp_min(1e-30)
                         entry = [position, share * factor, None, None, reach_all]
@@ -472,10 +488,13 @@ class AutoPrecision:
             quartic = np.concatenate([_quartic(s) for s in slots])
             numel = np.concatenate([np.full(s.samples, s.per_sample_numel) for s in slots])
             lo = np.concatenate([np.full(s.samples, s.min_bits) for s in slots])
-            if (lo * numel).sum() > self.avg_bits * numel.sum():  # a budget under the floors
+            # the budget: avg_bits for every saved tensor, a shared slot's once per tensor
+            shared = sum(s.numel * s.shares for s in slots)
+            avg = min(self.avg_bits * shared / numel.sum(), float(CHOICES[-1]))
+            if (lo * numel).sum() > avg * numel.sum():  # a budget under the floors
                 lo = np.concatenate([np.full(s.samples, 2 if s.zero_code else 1)
                                      for s in slots])  # (derivatives may then take 1)
-            bits = allocate(costs, numel, self.avg_bits, lo, quartic)
+            bits = allocate(costs, numel, avg, lo, quartic)
             at = 0
             for s in slots:
                 s.bits = np.sort(bits[at:at + s.samples])[::-1].copy()  # most to largest C
@@ -502,10 +521,12 @@ class AutoPrecision:
 
     @property
     def mean_bits(self) -> float:
-        """Allocated bits per element (over the slots' elements)."""
+        """Allocated bits per saved element (a shared slot's elements counted once per
+        saved tensor it serves)."""
         num = sum(float((s.bits * s.per_sample_numel).sum()) for s in self.slots
                   if s.bits is not None)
-        den = sum(s.numel for s in self.slots if s.bits is not None and s.bits.any())
+        den = sum(s.numel * s.shares for s in self.slots
+                  if s.bits is not None and s.bits.any())
         return num / den if den else 0.0
 
     def rows(self) -> list[dict]:
@@ -514,7 +535,7 @@ class AutoPrecision:
         for i, s in enumerate(self.slots):
             if s.bits is None:
                 continue
-            out.append({"slot": i, "shape": s.label, "numel": s.numel,
+            out.append({"slot": i, "shape": s.label, "numel": s.numel, "shares": s.shares,
                         "bits": float(s.bits.mean()),
                         "bits_by_rank": [[int(b), int(k)] for b, k in _runs(s.bits)],
                         "cost": float(s.cost.sum()),
@@ -528,6 +549,7 @@ class AutoPrecision:
                 "sensitivity": None if self.sensitivity is None else self.sensitivity.cpu(),
                 "slots": [{"label": s.label, "numel": s.numel, "samples": s.samples,
                            "min_bits": s.min_bits, "zero_code": s.zero_code,
+                           "shares": s.shares,
                            "cost": None if s.cost is None else s.cost.tolist(),
                            "quartic": None if s.quartic is None else s.quartic.tolist(),
                            "bits": None if s.bits is None else s.bits.tolist()}
@@ -547,7 +569,8 @@ class AutoPrecision:
                             None if d["cost"] is None else np.asarray(d["cost"], np.float64),
                             None if d.get("quartic") is None else np.asarray(d["quartic"],
                                                                              np.float64),
-                            None if d["bits"] is None else np.asarray(d["bits"], np.int64))
+                            None if d["bits"] is None else np.asarray(d["bits"], np.int64),
+                            shares=int(d.get("shares", 1)))
                       for d in state["slots"]]
         self._fresh = []
 

@@ -55,15 +55,34 @@ _KEPT_EXACT: dict[type[nn.Module], str] = {
     **{cls: "saves nothing" for cls in (nn.Flatten, nn.Identity)},
     nn.MaxPool1d: "1-d max pooling keeps PyTorch's own indices",
 }
-# Activations written inline as a chain of elementwise ops (each op saving its own operands:
-# GPT-2's ``gelu_new`` saves five tensors of the MLP's width), keyed by module and class name
-# so that nothing here imports their library: the counterpart computes the same function with
-# one op, whose rule saves one packed derivative. (What it keeps, the function.)
+
+
+def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """Hugging Face's ``weight * rms_normalised(x)`` as one ``F.rms_norm`` (None where the
+    dtypes differ, as under autocast: the module's own code then runs)."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(weight, torch.Tensor) or weight.dtype != x.dtype or eps is None:
+        return None
+    return F.rms_norm(x, (x.shape[-1],), weight, float(eps))
+
+
+# Layers written inline as a chain of elementwise ops (each op saving its own operands:
+# GPT-2's ``gelu_new`` saves five tensors of the MLP's width, Llama's RMSNorm three of the
+# model's), keyed by module and class name so that nothing here imports their library: the
+# counterpart computes the same function with one op, whose rule saves one packed tensor.
+# (What it keeps; the function of the module and its input, None to run the module's own.)
 _FUSED: dict[str, tuple[str, object]] = {
     **{f"transformers.activations.{name}": (
         "packed derivative (other bits): the inline tanh GELU computed as "
-        "F.gelu(approximate='tanh')", lambda x: F.gelu(x, approximate="tanh"))
+        "F.gelu(approximate='tanh')", lambda _m, x: F.gelu(x, approximate="tanh"))
        for name in ("NewGELUActivation", "FastGELUActivation")},
+    # weight * x * rsqrt(mean(x**2) + eps), statistics in float32 (not Gemma's 1 + weight)
+    **{f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": (
+        "packed normalised input (other bits), shared with the matmul reading the output: "
+        "the inline RMSNorm computed as F.rms_norm", _rms_norm)
+       for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"),
+                            ("qwen3", "Qwen3"), ("mixtral", "Mixtral"), ("phi3", "Phi3"))},
 }
 _COUNTERPARTS: dict[type[nn.Module], type[nn.Module]] = {}
 
@@ -82,7 +101,8 @@ def _fused_forward(self, x, *args, **kwargs):
     if args or kwargs or not isinstance(x, torch.Tensor):
         return _compressed_forward(self, x, *args, **kwargs)
     with compressed(getattr(self, _LEVEL_ATTR)):
-        return _fused_of(_base_class(self))(x)
+        out = _fused_of(_base_class(self))(self, x)
+    return _compressed_forward(self, x) if out is None else out
 
 
 def _name(cls: type) -> str:

@@ -42,7 +42,7 @@ from actune.levels import Level, get_level
 from actune.mode import FunctionMode, parameter_like, top_hooks
 from actune.quant import PackedMask, pack_mask, quantize, quantize_samples
 from actune.rules import op_name
-from actune.saved import Saved
+from actune.saved import Derived, Saved, feature_major
 
 __all__ = ["CompressionStats", "allow_overwrite", "compressed", "feature_major", "shared_cache"]
 
@@ -82,19 +82,6 @@ class CompressionStats:
         return describe_exact({**self.exact, **small})
 
 
-def feature_major(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values, same shape, with its last dim (the features) laid out before the
-    others within each sample (2-D: before the rows), so that groups packed in memory order
-    run along the tokens, one feature each: a feature's values share a group's range, as a
-    convolution's NCHW input does by its layout, and a feature with small values (a layer
-    norm's small gain, next to outlier features) keeps its own fine step. ``t`` itself if it
-    is not a contiguous tensor of at least two dims and features."""
-    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() <= t.shape[-1] or not t.is_contiguous():
-        return t
-    first = 0 if t.dim() == 2 else 1  # (a sample stays whole: the allocator's unit)
-    return t.movedim(-1, first).contiguous().movedim(first, -1)
-
-
 def _storage_key(t: torch.Tensor) -> tuple:
     # the storage's address (what StorageWeakRef(...).cdata holds), without a weak reference
     return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(),
@@ -113,6 +100,9 @@ class _Session:
         self.hook = self.pack_hook  # the object registered as the pack hook (who saves?)
         self.cache: dict[tuple, object] = {}
         self.seen: dict[tuple, StorageWeakRef] = {}
+        # tensors a later saver rebuilds from another's packed value (a layer norm's output
+        # from its normalised input): storage key without shape -> (alive, version, Derived)
+        self.derived: dict[tuple, tuple] = {}
         self.last_offloaded: Saved | None = None
         self.stats = CompressionStats()
         self.autoprec: AutoPrecision | None = None
@@ -163,6 +153,12 @@ class _Session:
                 return self._pack(t, None, "mask", lambda: pack_mask(t))
             return self._keep(t, new)
         bits = self.bits_for(self.kind)
+        if self.derived and self.kind == _MATMUL and self.features and bits is not None:
+            # a matmul with a weight: its backward reads this input for the weight's gradient
+            # alone, so sharing the norm's rounding adds no product of one noise with itself
+            derived = self._derived(t, bits, new)
+            if derived is not None:
+                return derived
         if bits is None and self.op is None and _saved_by_checkpoint():
             bits = level.nonlinear_bits  # the region is recomputed from these: nonlinear
             if bits is not None and t.is_floating_point() and t.numel() >= level.min_numel:
@@ -182,7 +178,40 @@ class _Session:
 
     @staticmethod
     def unpack_hook(saved: object) -> torch.Tensor:
-        return saved.get() if isinstance(saved, Saved) else saved
+        return saved.get() if isinstance(saved, Saved | Derived) else saved
+
+    # -- tensors rebuilt from another's packed value ---------------------------------------
+
+    def derive(self, t: torch.Tensor, base: Saved, weight: torch.Tensor | None,
+               bias: torch.Tensor | None) -> None:
+        """Later savers of ``t`` (or of a view of all of it) keep nothing of their own: they
+        rebuild it as ``base * weight + bias`` from ``base``, packed already (a layer norm's
+        output from its normalised input, whose rounding then serves both backwards)."""
+        if t.is_contiguous():
+            key = (t.untyped_storage()._cdata, t.storage_offset(), t.numel(), t.dtype)
+            self.derived[key] = (StorageWeakRef(t.untyped_storage()), t._version,
+                                 Derived(base, weight, bias, t.dtype))
+
+    def _derived(self, t: torch.Tensor, bits: int, new: bool) -> Derived | None:
+        """``t`` as a :class:`Derived` if it is a tensor :meth:`derive` named, unchanged since,
+        and its base was packed at ``bits`` or more (or by the allocator), else None. ``new``:
+        ``t``'s storage was not counted before in this context."""
+        if not t.is_contiguous():
+            return None
+        entry = self.derived.get((t.untyped_storage()._cdata, t.storage_offset(), t.numel(),
+                                  t.dtype))
+        if entry is None or entry[0].expired() or entry[1] != t._version:
+            return None
+        derived = entry[2]
+        base = derived.base
+        ap = self.allocator()
+        if base.slot is None and (ap is not None or (derived.bits or 0) < bits):
+            return None
+        if base.slot is not None and ap is not None:
+            if new:
+                ap.share(base.slot)  # the slot stands for two saved tensors in the budget
+            self._touch(base.slot, derived.noise_scale() if ap.collecting else None)
+        return derived.viewed(t.shape)
 
     # -- accounting: what autograd would keep (each storage once) and what is kept instead --
 
@@ -291,9 +320,10 @@ class _Session:
         ap.observe(plan, packed, t)
         return packed, plan.slot
 
-    def _touch(self, slot: int | None) -> None:
+    def _touch(self, slot: int | None, scale: torch.Tensor | None = None) -> None:
+        """The running op reads ``slot`` (``scale``: its noise there, relative to the slot's)."""
         if self.touched is not None and slot is not None:
-            self.touched.append(slot)
+            self.touched.append(slot if scale is None else (slot, scale))
 
     def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> Saved:
         found = self._cached((*_storage_key(t), bits))
@@ -343,6 +373,13 @@ class _Session:
 
     # -- entering and leaving ------------------------------------------------------------
 
+    def clear(self) -> None:
+        """Let go of the packed-storage cache (a forward pass has ended)."""
+        self.cache.clear()
+        self.seen.clear()
+        self.derived.clear()
+        self.last_offloaded = None
+
     def push(self, level: Level) -> None:
         if not self.levels:
             self._exit = contextlib.ExitStack()
@@ -356,9 +393,7 @@ class _Session:
         if not self.levels:
             exit_stack, self._exit = self._exit, None
             if not self.holds:
-                self.cache.clear()
-                self.seen.clear()
-                self.last_offloaded = None
+                self.clear()
             exit_stack.close()
             sink, self.stats_sink = self.stats_sink, None
             if sink is not None:
@@ -430,9 +465,7 @@ def shared_cache(autoprec: AutoPrecision | None = None) -> Iterator[None]:
         s.autoprec = previous
         s.holds -= 1
         if not s.holds and not s.levels:
-            s.cache.clear()
-            s.seen.clear()
-            s.last_offloaded = None
+            s.clear()
 
 
 @contextlib.contextmanager

@@ -27,9 +27,11 @@ from actune.quant import (
 )
 
 __all__ = [
+    "Derived",
     "DoubleBackwardError",
     "Saved",
     "check_double_backward",
+    "feature_major",
     "offload_simulated",
     "plain_saving",
     "simulated_offload",
@@ -152,6 +154,64 @@ class Saved:
                 out = dequantize(packed)
             self.unpacked = weakref.ref(out)
         return out
+
+
+def feature_major(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values, same shape, with its last dim (the features) laid out before the
+    others within each sample (2-D: before the rows), so that groups packed in memory order
+    run along the tokens, one feature each: a feature's values share a group's range, as a
+    convolution's NCHW input does by its layout, and a feature with small values (a layer
+    norm's small gain, next to outlier features) keeps its own fine step. ``t`` itself if it
+    is not a contiguous tensor of at least two dims and features."""
+    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() <= t.shape[-1] or not t.is_contiguous():
+        return t
+    first = 0 if t.dim() == 2 else 1  # (a sample stays whole: the allocator's unit)
+    return t.movedim(-1, first).contiguous().movedim(first, -1)
+
+
+class Derived:
+    """A saved tensor rebuilt from another's packed value: ``base * weight + bias`` (per
+    feature, along the last dims), as ``shape``. A layer norm's output is its normalised input
+    times its weight plus its bias: a matmul that saves that output reads the norm's own packed
+    input instead of packing a second copy (the rounding is unbiased in both, and linear in
+    both backwards)."""
+
+    __slots__ = ("base", "bias", "dtype", "shape", "weight")
+
+    def __init__(self, base: Saved, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 dtype: torch.dtype, shape: torch.Size | None = None) -> None:
+        self.base, self.weight, self.bias, self.dtype, self.shape = (base, weight, bias, dtype,
+                                                                      shape)
+
+    @property
+    def bits(self) -> int | None:
+        """The base's width (None: not a uniformly quantized tensor)."""
+        return getattr(self.base.packed, "bits", None)
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # (the base's bytes are counted where it was packed)
+
+    def viewed(self, shape: torch.Size) -> Derived:
+        """The same rebuild, handed back as ``shape`` (a saver's view of the whole tensor)."""
+        return Derived(self.base, self.weight, self.bias, self.dtype, shape)
+
+    def noise_scale(self) -> torch.Tensor | None:
+        """How much larger rounding noise is in the rebuilt tensor than in the base: the mean
+        square of ``weight`` (a device scalar; None: the same)."""
+        if self.weight is None:
+            return None
+        return self.weight.detach().float().square().mean()
+
+    def get(self) -> torch.Tensor:
+        out = self.base.get()
+        if self.weight is not None:
+            out = out * self.weight if self.bias is None else torch.addcmul(self.bias, out,
+                                                                             self.weight)
+        elif self.bias is not None:
+            out = out + self.bias
+        out = out.to(self.dtype)
+        return out if self.shape is None else out.reshape(self.shape)
 
 
 _SIDE_STREAMS: dict[torch.device, object] = {}

@@ -393,3 +393,27 @@ def test_a_packed_derivative_gets_two_bits_at_least_unless_the_budget_is_under_t
         model.zero_grad()
         model(x).square().mean().backward()
     assert actune.autoprec_of(model).mean_bits <= 1.25 + 1e-9
+
+
+def test_a_layer_norm_shared_with_its_linear_counts_twice_in_the_budget():
+    # the norm's packed input also serves the linear layer reading its output: one slot for
+    # two saved tensors, whose budget is theirs together (the same bytes as two 2-bit copies)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    actune.compress(model, "L3", every=2, per_sample=False)
+    ap = actune.autoprec_of(model)
+    x = torch.randn(16, 40, 32)
+    for _ in range(3):
+        model.zero_grad()
+        model(x).square().mean().backward()
+    shared = [s for s in ap.slots if s.shares == 2]
+    assert len(shared) == 1 and shared[0].numel == 16 * 40 * 64
+    stored = sum(float((s.bits * s.per_sample_numel).sum()) for s in ap.slots)
+    saved = sum(s.numel * s.shares for s in ap.slots)
+    assert stored <= 2.0 * saved + 1e-6 and ap.mean_bits <= 2.0 + 1e-9
+    assert stored > 2.0 * sum(s.numel for s in ap.slots)  # the shared budget was spent
+    state = ap.state_dict()
+    again = AutoPrecision()
+    again.load_state_dict(state)
+    assert [s.shares for s in again.slots] == [s.shares for s in ap.slots]

@@ -126,6 +126,38 @@ def test_compress_fuses_gpt2_inline_gelu_into_one_saved_derivative():
     assert type(model.transformer.h[0].mlp.act).__name__ == "CompressedNewGELUActivation"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_runs_llamas_inline_rms_norm_as_one_op_shared_with_its_projections(dtype):
+    # Llama's RMSNorm (cast, pow, mean, rsqrt, two products) keeps three tensors of the
+    # model's width; converted, it keeps one packed normalised input, which the q, k, v (and
+    # gate, up) projections reading its output rebuild theirs from
+    model = llama().to(dtype)
+    norm = model.model.layers[0].input_layernorm
+    x = torch.randn(2, 48, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x.requires_grad_()
+    reference = norm(x)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    exact = torch.autograd.grad(reference, x, g)[0]
+    actune.compress(model, "u8")
+    assert type(norm).__name__ == "CompressedLlamaRMSNorm"
+    assert "F.rms_norm" in next(r.keeps for r in actune.summary(model)
+                                if r.name.endswith("layers.0.input_layernorm"))
+    stats = []
+    with actune.compressed("u8", stats=stats.append):
+        y = norm(x)
+        got = torch.autograd.grad(y, x, g)[0]
+    assert stats[0].packed == 1  # the normalised input (rstd kept exact: small)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.float(), reference.float(), atol=tolerance, rtol=tolerance)
+    assert 0 < rel(got.float(), exact.float()) < (0.02 if dtype == torch.float32 else 0.08)
+    exact_grads = flat_grads(llama().to(dtype), "L0")
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    assert rel(grads.float(), exact_grads.float()) < (0.03 if dtype == torch.float32 else 0.1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_step(dtype):
     model = llama()

@@ -18,13 +18,113 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune import substitutes
 from actune.rules import register
+from actune.rules.activations import compressible
+from actune.saved import check_double_backward, feature_major, take
 from actune.substitutes import LeanBatchNorm, arg
 
 _KEEPS = "input rounded at other bits; statistics exact"
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-register((F.layer_norm, F.rms_norm), "norm", "other",
-         _KEEPS + "; in groups along its tokens, one feature each", only_input_shape=True,
-         features_last=True)(None)
+_SHARED = ("normalised input rounded at other bits, in groups along its tokens, one feature "
+           "each; rstd exact; a matmul reading the output rebuilds it from that copy")
+
+
+@register((F.layer_norm,), "norm", "other", _SHARED, only_input_shape=True, features_last=True)
+def layer_norm(s, func, args, kwargs, level):
+    """Layer norm keeping one rounded copy of its normalised input for its own backward and
+    for the matmul that reads its output (:class:`SharedNorm`)."""
+    return _shared(s, args[0], arg(args, kwargs, 1, "normalized_shape", None),
+                   arg(args, kwargs, 2, "weight", None), arg(args, kwargs, 3, "bias", None),
+                   arg(args, kwargs, 4, "eps", 1e-5), False, level)
+
+
+@register((F.rms_norm,), "norm", "other", _SHARED, only_input_shape=True, features_last=True)
+def rms_norm(s, func, args, kwargs, level):
+    """RMS norm, as :func:`layer_norm` (``eps=None``: the dtype's machine epsilon)."""
+    x = args[0]
+    eps = arg(args, kwargs, 3, "eps", None)
+    if eps is None and isinstance(x, torch.Tensor) and x.is_floating_point():
+        eps = torch.finfo(x.dtype).eps
+    return _shared(s, x, arg(args, kwargs, 1, "normalized_shape", None),
+                   arg(args, kwargs, 2, "weight", None), None, eps, True, level)
+
+
+def _shared(s, x, shape, weight, bias, eps, rms: bool, level):
+    if (not compressible(x, level) or x.dtype not in _FLOATS or shape is None
+            or not isinstance(eps, float | int) or torch.is_autocast_enabled(x.device.type)
+            or any(t is not None and (not isinstance(t, torch.Tensor) or t.dtype != x.dtype)
+                   for t in (weight, bias))):
+        return None  # (under autocast the matmul saves its own cast copy: nothing to share)
+    shape = (int(shape),) if isinstance(shape, int) else tuple(shape)
+    held: list = []
+    out = SharedNorm.apply(x, weight, bias, shape, float(eps), rms, s, held)
+    saved = held[0]
+    ap = s.allocator()
+    if ap is not None and saved.slot is not None:  # x_hat's noise is relative: unscaled
+        ap.watch([saved.slot], out, 1.0, relayed=True, reach_all=False)
+    s.derive(out, saved, weight, bias)
+    return out
+
+
+class SharedNorm(torch.autograd.Function):
+    """Layer or RMS norm saving its normalised input ``x_hat``, rounded in groups along the
+    tokens (one feature each), instead of its input: its backward reads ``x_hat`` (linearly,
+    with ``rstd`` exact), and its output ``x_hat * weight + bias`` can be rebuilt from the same
+    copy by the matmul that reads it (:meth:`actune.hooks._Session.derive`), so the pair keeps
+    one packed tensor where PyTorch keeps two. Under an allocator that slot counts twice in the
+    budget: the same bytes as two 2-bit copies, spent on one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps, rms, session, held):
+        if rms:  # (statistics in float32 at least, as Hugging Face's RMSNorm computes them)
+            wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
+            dims = tuple(range(x.dim() - len(shape), x.dim()))
+            rstd = torch.rsqrt(wide.square().mean(dims, keepdim=True).add_(eps))
+            x_hat = (wide * rstd).to(x.dtype)
+            out = x_hat if weight is None else x_hat * weight
+        else:
+            out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+            x_hat = (x - mean).mul_(rstd).to(x.dtype)
+        saved = session.pack_value(feature_major(x_hat), session.level.other_bits, "norm",
+                                   replaces=(x,), reads=False)
+        del x_hat
+        held.append(saved)
+        ctx.x_hat, ctx.shape, ctx.rms = saved, shape, rms
+        ctx.save_for_backward(rstd, weight, bias)  # (rstd: kept exact by the hooks)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        rstd, weight, bias = ctx.saved_tensors
+        x_hat = take(ctx, "x_hat").get()
+        needs = ctx.needs_input_grad
+        if ctx.rms:
+            dx, dw = _rms_backward(grad, x_hat, rstd, weight, len(ctx.shape))
+            return dx, dw, None, None, None, None, None, None
+        # PyTorch's backward of x_hat itself (mean 0, rstd 1), then scaled by the true rstd
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            grad, x_hat, list(ctx.shape), torch.zeros_like(rstd), torch.ones_like(rstd),
+            weight, bias, [needs[0], needs[1] and weight is not None,
+                           needs[2] and bias is not None])
+        if dx is not None:
+            dx = dx.mul_(rstd) if dx.dtype == rstd.dtype else (dx * rstd).to(dx.dtype)
+        return dx, dw, db, None, None, None, None, None
+
+
+def _rms_backward(grad, x_hat, rstd, weight, ndims: int):
+    """``rstd * (g w - x_hat * mean(g w x_hat))`` and ``sum g x_hat`` (in ``rstd``'s dtype)."""
+    dims = tuple(range(grad.dim() - ndims, grad.dim()))
+    g, xh = grad.to(rstd.dtype), x_hat.to(rstd.dtype)
+    gw = g if weight is None else g * weight.to(rstd.dtype)
+    dx = (gw - xh * (gw * xh).mean(dims, keepdim=True)).mul_(rstd).to(grad.dtype)
+    dw = None
+    if weight is not None and weight.requires_grad:
+        lead = tuple(range(grad.dim() - ndims))
+        dw = (g * xh).sum(lead).to(weight.dtype)
+    return dx, dw
+
+
 register((F.group_norm, F.instance_norm), "norm", "other", _KEEPS, only_input_shape=True)(None)
 
 

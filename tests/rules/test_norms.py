@@ -2,9 +2,19 @@
 unbiased at 2 bits (reductions of 64 and more elements), in float32 and bfloat16."""
 
 import pytest
+import torch
 import torch.nn.functional as F  # noqa: N812
 
-from tests.rules.helpers import DTYPES, check_rule
+import actune
+from tests.rules.helpers import (
+    DTYPES,
+    check_rule,
+    exact_grads,
+    input_grads,
+    level,
+    relative_error,
+    shrinks_like_noise,
+)
 
 OPS = {
     "layer_norm": lambda t: F.layer_norm(t * 1.0, (64,)).square(),
@@ -19,3 +29,73 @@ OPS = {
 @pytest.mark.parametrize("op", list(OPS))
 def test_norm_rule(op, dtype):
     check_rule(OPS[op], lambda t: t, dtype, shape=(64, 64))
+
+
+def _norm_then(consumer: str):
+    """A layer norm whose output ``consumer`` reads: a linear layer (its weight's gradient
+    alone reads it), the same after an in-place change, or an elementwise square."""
+
+    def fn(x, w, b, W):  # noqa: N803
+        y = F.layer_norm(x * 1.0, (64,), w, b)
+        if consumer == "inplace":
+            y = y.mul_(2.0)
+        return y.square() if consumer == "square" else F.linear(y, W)
+
+    return fn
+
+
+def _inputs(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 32, 64, generator=gen).to(dtype).requires_grad_()
+    w = torch.nn.Parameter((1 + 0.5 * torch.randn(64, generator=gen)).to(dtype))
+    b = torch.nn.Parameter((0.3 * torch.randn(64, generator=gen)).to(dtype))
+    W = torch.nn.Parameter(torch.randn(48, 64, generator=gen).to(dtype) / 8)  # noqa: N806
+    return x, w, b, W
+
+
+@pytest.mark.parametrize(("consumer", "packed"), [("linear", 1), ("inplace", 2),
+                                                   ("square", 2)])
+def test_layer_norm_output_read_by_a_weight_matmul_is_rebuilt_from_the_norms_copy(consumer,
+                                                                                  packed):
+    # the pair keeps one packed tensor (the normalised input), not two, where only a weight's
+    # gradient reads the output; an output changed in place, or read by an op whose input
+    # gradient reads it (a product of one rounding with itself: biased), packs its own
+    x, w, b, W = _inputs()  # noqa: N806
+    seen = []
+    with actune.compressed(level(2), stats=seen.append):
+        _norm_then(consumer)(x, w, b, W)
+    stats = seen[0]
+    assert stats.packed == packed
+    if consumer == "linear":  # what PyTorch keeps: the input, the output, rstd
+        assert stats.saved_bytes == 2 * x.numel() * 4 + 16 * 32 * 4
+        assert stats.kept_bytes < stats.saved_bytes / 12
+
+
+@pytest.mark.parametrize("consumer", ["linear", "inplace"])
+def test_layer_norm_and_linear_gradients_close_at_8_bits_unbiased_at_2(consumer):
+    inputs = _inputs()
+    fn = _norm_then(consumer)
+    exact = exact_grads(fn, inputs)
+    eight = input_grads(fn, inputs, level(8), 1)
+    for e, g in zip(exact, eight, strict=True):
+        assert relative_error(g[0], e[0]) < 0.03
+    two = input_grads(fn, inputs, level(2), 256)
+    for name, e, g in zip("xwbW", exact, two, strict=True):
+        if name == "b":  # the bias's gradient reads no saved activation: exact
+            assert relative_error(g[0], e[0]) < 1e-5
+            continue
+        assert relative_error(g[0], e[0]) > 1e-3  # rounded
+        if name == "x":  # the norm's own bias, (rounding variance) / (features), PyTorch's too
+            assert relative_error(g.mean(0), e[0]) < 0.025
+            continue
+        assert shrinks_like_noise(g, e[0], small=8, large=256) < 0.25, name
+
+
+def test_layer_norm_and_linear_in_bfloat16_close_at_8_bits():
+    inputs = _inputs(torch.bfloat16)
+    fn = _norm_then("linear")
+    exact = exact_grads(fn, inputs)
+    eight = input_grads(fn, inputs, level(8), 1)
+    for e, g in zip(exact, eight, strict=True):
+        assert g.dtype == torch.bfloat16
+        assert relative_error(g[0].float(), e[0].float()) < 0.08
