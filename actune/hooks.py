@@ -88,6 +88,11 @@ def _storage_key(t: torch.Tensor) -> tuple:
             t.dtype, t._version)
 
 
+def _whole_key(t: torch.Tensor) -> tuple:
+    """What every contiguous view of all of ``t`` shares: storage, offset, size, dtype."""
+    return (t.untyped_storage()._cdata, t.storage_offset(), t.numel(), t.dtype)
+
+
 class _Session:
     """The per-thread state of nested compressed() contexts: the level stack, the op being
     run, and the packed-storage cache that makes a storage saved by several ops pack once."""
@@ -188,9 +193,8 @@ class _Session:
         rebuild it as ``base * weight + bias`` from ``base``, packed already (a layer norm's
         output from its normalised input, whose rounding then serves both backwards)."""
         if t.is_contiguous():
-            key = (t.untyped_storage()._cdata, t.storage_offset(), t.numel(), t.dtype)
-            self.derived[key] = (StorageWeakRef(t.untyped_storage()), t._version,
-                                 Derived(base, weight, bias, t.dtype))
+            self.derived[_whole_key(t)] = (StorageWeakRef(t.untyped_storage()), t._version,
+                                           Derived(base, weight, bias))
 
     def _derived(self, t: torch.Tensor, bits: int, new: bool) -> Derived | None:
         """``t`` as a :class:`Derived` if it is a tensor :meth:`derive` named, unchanged since,
@@ -198,8 +202,7 @@ class _Session:
         ``t``'s storage was not counted before in this context."""
         if not t.is_contiguous():
             return None
-        entry = self.derived.get((t.untyped_storage()._cdata, t.storage_offset(), t.numel(),
-                                  t.dtype))
+        entry = self.derived.get(_whole_key(t))
         if entry is None or entry[0].expired() or entry[1] != t._version:
             return None
         derived = entry[2]

@@ -174,27 +174,22 @@ class Derived:
     feature, along the last dims), as ``shape``. A layer norm's output is its normalised input
     times its weight plus its bias: a matmul that saves that output reads the norm's own packed
     input instead of packing a second copy (the rounding is unbiased in both, and linear in
-    both backwards)."""
+    both backwards). Its bytes are the base's, counted where the base was packed."""
 
-    __slots__ = ("base", "bias", "dtype", "shape", "weight")
+    __slots__ = ("base", "bias", "shape", "weight")
 
     def __init__(self, base: Saved, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 dtype: torch.dtype, shape: torch.Size | None = None) -> None:
-        self.base, self.weight, self.bias, self.dtype, self.shape = (base, weight, bias, dtype,
-                                                                      shape)
+                 shape: torch.Size | None = None) -> None:
+        self.base, self.weight, self.bias, self.shape = base, weight, bias, shape
 
     @property
     def bits(self) -> int | None:
         """The base's width (None: not a uniformly quantized tensor)."""
         return getattr(self.base.packed, "bits", None)
 
-    @property
-    def nbytes(self) -> int:
-        return 0  # (the base's bytes are counted where it was packed)
-
     def viewed(self, shape: torch.Size) -> Derived:
         """The same rebuild, handed back as ``shape`` (a saver's view of the whole tensor)."""
-        return Derived(self.base, self.weight, self.bias, self.dtype, shape)
+        return Derived(self.base, self.weight, self.bias, shape)
 
     def noise_scale(self) -> torch.Tensor | None:
         """How much larger rounding noise is in the rebuilt tensor than in the base: the mean
@@ -204,13 +199,14 @@ class Derived:
         return self.weight.detach().float().square().mean()
 
     def get(self) -> torch.Tensor:
+        # (the base, the weight and the bias share the output's dtype: the norm's rule
+        # shares only then)
         out = self.base.get()
         if self.weight is not None:
             out = out * self.weight if self.bias is None else torch.addcmul(self.bias, out,
                                                                              self.weight)
         elif self.bias is not None:
             out = out + self.bias
-        out = out.to(self.dtype)
         return out if self.shape is None else out.reshape(self.shape)
 
 

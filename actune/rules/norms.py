@@ -100,7 +100,8 @@ class SharedNorm(torch.autograd.Function):
         x_hat = take(ctx, "x_hat").get()
         needs = ctx.needs_input_grad
         if ctx.rms:
-            dx, dw = _rms_backward(grad, x_hat, rstd, weight, len(ctx.shape))
+            dx, dw = _rms_backward(grad, x_hat, rstd, weight, len(ctx.shape),
+                                   needs[1] and weight is not None)
             return dx, dw, None, None, None, None, None, None
         # PyTorch's backward of x_hat itself (mean 0, rstd 1), then scaled by the true rstd
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
@@ -112,14 +113,15 @@ class SharedNorm(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
-def _rms_backward(grad, x_hat, rstd, weight, ndims: int):
-    """``rstd * (g w - x_hat * mean(g w x_hat))`` and ``sum g x_hat`` (in ``rstd``'s dtype)."""
+def _rms_backward(grad, x_hat, rstd, weight, ndims: int, weight_grad: bool):
+    """``rstd * (g w - x_hat * mean(g w x_hat))`` and (``weight_grad``) ``sum g x_hat``, in
+    ``rstd``'s dtype."""
     dims = tuple(range(grad.dim() - ndims, grad.dim()))
     g, xh = grad.to(rstd.dtype), x_hat.to(rstd.dtype)
     gw = g if weight is None else g * weight.to(rstd.dtype)
     dx = (gw - xh * (gw * xh).mean(dims, keepdim=True)).mul_(rstd).to(grad.dtype)
     dw = None
-    if weight is not None and weight.requires_grad:
+    if weight_grad:
         lead = tuple(range(grad.dim() - ndims))
         dw = (g * xh).sum(lead).to(weight.dtype)
     return dx, dw
