@@ -72,12 +72,20 @@ def _draw_seed() -> int:
     return int(torch.randint(0, _SEED_RANGE, (), device="cpu").item())
 
 
+#: numba's handle of each torch CUDA stream a kernel was launched on, by its address (made
+#: once: the kernels' launch configurations are cached per stream object).
+_STREAMS: dict[int, object] = {}
+
+
 def _cuda_launch(fn, *tensors, **kw):
     from numba import cuda
 
     arrays = [cuda.as_cuda_array(t, sync=False) for t in tensors]
     arrays = [a.view(np.uint16) if a.dtype == np.int16 else a for a in arrays]
-    stream = cuda.external_stream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
+    address = torch.cuda.current_stream(tensors[0].device).cuda_stream
+    stream = _STREAMS.get(address)
+    if stream is None:
+        stream = _STREAMS[address] = cuda.external_stream(address)
     fn(*arrays, stream=stream, **kw)
 
 

@@ -1,26 +1,46 @@
-"""Numba CUDA kernels: one warp per group.
+"""Numba CUDA kernels: one warp per group, every access coalesced, reductions in registers.
 
-The 32 lanes of a warp reduce the group's min and max through shared memory (one barrier;
-every lane reads all partials, so all derive the same metadata), and each lane then quantizes
-and writes whole bytes, so reads are coalesced and no two lanes write the same byte. The
-arithmetic is the CPU kernels' (same shared scalar functions, no fused multiply-add with
-``fastmath`` off), so both produce the same bytes.
+Pack, per group: the 32 lanes read the group in 32-element rows (lane ``l`` reads element
+``row * 32 + l``: each row is one 128-byte transaction for float32), reduce min, max and a
+non-finite flag with butterfly shuffles (``shfl_xor``: every lane ends with the result, no
+shared memory, no barrier), derive the group's metadata, then read the rows again (from cache)
+and round. The ``8 // bits`` lanes that hold the codes of one byte OR them together with
+shuffles, and the first of them writes the byte: consecutive lanes write consecutive bytes.
+Unpack reads and writes in the same rows. Warps loop over groups (a grid-stride loop) so a
+launch of bounded size covers any tensor, and each lane handles ``group_size / 32`` elements
+a group. The random stream is computed in 32-bit unsigned arithmetic (:func:`scalar.
+random24_u32`: the same bits as the CPU's), and products are unfused (``fastmath`` off), so
+the bytes are the CPU kernels' and the reference's.
 
-Runs in numba-cuda's simulator when ``NUMBA_ENABLE_CUDASIM=1`` is set before numba is imported.
+In numba-cuda's simulator (``NUMBA_ENABLE_CUDASIM=1`` before numba is imported) the shuffle is
+emulated through shared memory with the same semantics, and the random stream runs in Python
+integers; the compiled kernels use the hardware shuffle (checked by compiling to PTX).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 from unittest import mock
 
-from numba import config, cuda, float64
+import numpy as np
+from numba import config, cuda, float64, int64
 
 from . import layout
-from .scalar import INV_2_24, build
+from .scalar import INV_2_24, MASK32, build, random24_u32
 
 _s = build(cuda.jit(device=True))
+_stream_key = _s.stream_key
+_group_meta = _s.group_meta
+_meta_values = _s.meta_values
+
+WARP = 32
+#: Groups (warps) per block.
+WARPS_PER_BLOCK = 4
+#: The most blocks one launch starts (the warps then loop over the remaining groups).
+MAX_BLOCKS = 8192
+_FULL = 0xFFFFFFFF
 
 if config.ENABLE_CUDASIM:  # the simulator runs NumPy scalars: IEEE products, never fused
 
@@ -29,19 +49,45 @@ if config.ENABLE_CUDASIM:  # the simulator runs NumPy scalars: IEEE products, ne
         return a * b
 
     _MUL64 = _MUL32
+
+    @cuda.jit(device=True)
+    def _random24(key32, idx32):
+        return _s.random24(int(key32), int(idx32))  # Python integers, the same bits
+
+    @cuda.jit(device=True)
+    def _add32(a, b):
+        return np.uint32((int(a) + int(b)) & MASK32)  # (NumPy scalars warn on wrapping)
+
+    @cuda.jit(device=True)
+    def _xor_f(value, lane_mask, fbuf, ibuf, row, lane):
+        """The value of lane ``lane ^ lane_mask`` (a shuffle, through shared memory)."""
+        cuda.syncthreads()
+        fbuf[row, lane] = value
+        cuda.syncthreads()
+        return fbuf[row, lane ^ lane_mask]
+
+    @cuda.jit(device=True)
+    def _xor_i(value, lane_mask, fbuf, ibuf, row, lane):
+        cuda.syncthreads()
+        ibuf[row, lane] = value
+        cuda.syncthreads()
+        return ibuf[row, lane ^ lane_mask]
 else:  # products that the compiler may not fuse into a following add (no FMA contraction)
     from numba.cuda import libdevice
 
     _MUL32 = libdevice.fmul_rn
     _MUL64 = libdevice.dmul_rn
-_stream_key = _s.stream_key
-_random24 = _s.random24
-_group_meta = _s.group_meta
-_meta_values = _s.meta_values
+    _random24 = cuda.jit(device=True)(random24_u32)
 
-WARP = 32
-#: Groups (warps) per block.
-WARPS_PER_BLOCK = 4
+    @cuda.jit(device=True)
+    def _add32(a, b):
+        return np.uint32(a + np.uint32(b))  # wraps at 2**32
+
+    @cuda.jit(device=True)
+    def _xor_f(value, lane_mask, fbuf, ibuf, row, lane):
+        return cuda.shfl_xor_sync(_FULL, value, lane_mask)
+
+    _xor_i = _xor_f
 
 
 def _make_kernels(mul):
@@ -52,101 +98,100 @@ def _make_kernels(mul):
                     zero_code):  # pragma: no cover - compiled
         lane = cuda.threadIdx.x
         row = cuda.threadIdx.y
-        g = cuda.blockIdx.x * cuda.blockDim.y + row
-        n = x.size
-        start = g * group_size
-        end = min(start + group_size, n)
-        mn = math.inf
-        mx = -math.inf
-        flag = 0.0
-        for i in range(start + lane, end, WARP):
-            v = x[i]
-            if v > 0 or not zero_code:  # zero-code mode: the smallest positive value
-                mn = min(mn, v)
-            mx = max(mx, v)
-            flag += v - v
-        # Reduce over the warp through shared memory; every lane reads all 32 partials, so all
-        # lanes hold the same result after one barrier.
-        s_mn = cuda.shared.array((WARPS_PER_BLOCK, WARP), float64)
-        s_mx = cuda.shared.array((WARPS_PER_BLOCK, WARP), float64)
-        s_flag = cuda.shared.array((WARPS_PER_BLOCK, WARP), float64)
-        s_mn[row, lane] = mn
-        s_mx[row, lane] = mx
-        s_flag[row, lane] = flag
-        cuda.syncthreads()
-        if g >= meta.shape[0]:
-            return
-        for j in range(WARP):
-            mn = min(mn, s_mn[row, j])
-            mx = max(mx, s_mx[row, j])
-            flag += s_flag[row, j]
-        if flag != 0.0:
-            mn = math.nan
-        levels = (1 << bits) - 1
-        lo_word, scale_word, lo64, scale64 = _group_meta(mn, mx, float(levels - zero_code),
-                                                         zero_code)
-        if lane == 0:
-            meta[g, 0] = lo_word
-            meta[g, 1] = scale_word
-        per = 8 // bits
-        group_bytes = group_size * bits // 8
-        out0 = g * group_bytes
-        if lo_word == layout.NAN16:
-            for k in range(lane, group_bytes, WARP):
-                codes[out0 + k] = 0
-            return
+        # (the simulator's shuffles; compiled kernels never touch these)
+        fbuf = cuda.shared.array((WARPS_PER_BLOCK, WARP), float64)
+        ibuf = cuda.shared.array((WARPS_PER_BLOCK, WARP), int64)
         t = x.dtype.type
-        lo = t(lo64)
-        scale = t(scale64)
-        inv = t(1) / scale if scale > 0 else scale
+        n = x.size
+        groups = meta.shape[0]
+        per = 8 // bits
+        levels = (1 << bits) - 1
+        group_bytes = group_size * bits // 8
         u_step = t(INV_2_24)
         half = t(0.5)
-        hi0 = (base + start) >> 32
-        key0 = _stream_key(seed, hi0)
-        key1 = _stream_key(seed, hi0 + 1)
-        for k in range(lane, group_bytes, WARP):
-            byte = 0
-            for j in range(per):
-                i = start + k * per + j
-                if i < end:
-                    v = mul(x[i] - lo, inv)
+        first = 1 if zero_code else 0  # zero-code mode: code 0 is an exact zero
+        # every warp of a block makes the same number of turns (the simulator's barriers)
+        for block in range(cuda.blockIdx.x, -(-groups // WARPS_PER_BLOCK), cuda.gridDim.x):
+            g = block * WARPS_PER_BLOCK + row
+            start = g * group_size
+            end = min(start + group_size, n)  # empty past the last group
+            mn = t(math.inf)
+            mx = t(-math.inf)
+            flag = t(0)
+            for i in range(start + lane, end, WARP):
+                v = x[i]
+                if v > 0 or not zero_code:  # zero-code mode: the smallest positive value
+                    mn = min(mn, v)
+                mx = max(mx, v)
+                flag += v - v  # NaN for NaN and inf
+            for m in (16, 8, 4, 2, 1):
+                mn = min(mn, _xor_f(mn, m, fbuf, ibuf, row, lane))
+                mx = max(mx, _xor_f(mx, m, fbuf, ibuf, row, lane))
+                flag += _xor_f(flag, m, fbuf, ibuf, row, lane)
+            lo_word, scale_word, lo64, scale64 = _group_meta(
+                math.nan if flag != 0 else float(mn), float(mx), float(levels - first),
+                zero_code)
+            if lane == 0 and g < groups:
+                meta[g, 0] = lo_word
+                meta[g, 1] = scale_word
+            finite = lo_word != layout.NAN16
+            lo = t(lo64)
+            scale = t(scale64)
+            inv = t(1) / scale if scale > 0 else scale
+            at = base + start
+            low0 = np.uint32(at & MASK32)  # the stream index of the group's first element
+            key0 = np.uint32(_stream_key(seed, at >> 32))
+            key1 = np.uint32(_stream_key(seed, (at >> 32) + 1))  # past a 2**32 boundary
+            out0 = g * group_bytes
+            for row0 in range(0, group_size, WARP):
+                o = row0 + lane
+                i = start + o
+                code = 0
+                if i < end and finite:
+                    xi = x[i]
+                    v = mul(xi - lo, inv)
                     fl = int(math.floor(v))  # noqa: RUF046 - a float on CUDA
                     frac = v - fl
                     if stochastic:
-                        idx = base + i
-                        key = key0 if (idx >> 32) == hi0 else key1
+                        idx = _add32(low0, o)
+                        key = key1 if idx < low0 else key0
                         up = t(_random24(key, idx)) * u_step < frac
                     else:
                         up = frac >= half
-                    first = 1 if zero_code else 0  # zero-code mode: code 0 is an exact zero
-                    c = min(max(fl + first + (1 if up else 0), first), levels)
-                    if zero_code and not x[i] > 0:
-                        c = 0
-                    byte |= c << (bits * j)
-            codes[out0 + k] = byte
-
+                    code = min(max(fl + first + (1 if up else 0), first), levels)
+                    if zero_code and not xi > 0:
+                        code = 0
+                word = np.int32(code << ((lane % per) * bits))
+                m = 1
+                while m < per:  # the byte's lanes OR their codes together
+                    word = np.int32(word | _xor_i(word, m, fbuf, ibuf, row, lane))
+                    m *= 2
+                if lane % per == 0 and o < group_size and g < groups:
+                    codes[out0 + o // per] = word
 
     @cuda.jit
     def unpack_kernel(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover
         lane = cuda.threadIdx.x
-        g = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
-        if g >= meta.shape[0]:
-            return
-        n = y.size
+        row = cuda.threadIdx.y
         t = y.dtype.type
-        lo64, scale64 = _meta_values(meta[g, 0], meta[g, 1])
-        lo = t(lo64)
-        scale = t(scale64)
+        n = y.size
+        groups = meta.shape[0]
         per = 8 // bits
         mask = (1 << bits) - 1
         group_bytes = group_size * bits // 8
-        start = g * group_size
-        for k in range(lane, group_bytes, WARP):
-            byte = codes[g * group_bytes + k]
-            for j in range(per):
-                i = start + k * per + j
-                if i < n:
-                    q = (byte >> (bits * j)) & mask
+        for block in range(cuda.blockIdx.x, -(-groups // WARPS_PER_BLOCK), cuda.gridDim.x):
+            g = block * WARPS_PER_BLOCK + row
+            if g >= groups:
+                continue
+            lo64, scale64 = _meta_values(meta[g, 0], meta[g, 1])
+            lo = t(lo64)
+            scale = t(scale64)
+            start = g * group_size
+            for row0 in range(0, group_size, WARP):
+                o = row0 + lane
+                i = start + o
+                if o < group_size and i < n:
+                    q = (codes[g * group_bytes + o // per] >> ((o % per) * bits)) & mask
                     if zero_code:
                         y[i] = lo + mul(t(q - 1), scale) if q else t(0)
                     else:
@@ -158,8 +203,15 @@ def _make_kernels(mul):
 _KERNELS = {"float32": _make_kernels(_MUL32), "float64": _make_kernels(_MUL64)}
 
 
-def _grid(groups: int) -> tuple[int, tuple[int, int]]:
-    return -(-groups // WARPS_PER_BLOCK), (WARP, WARPS_PER_BLOCK)
+def grid(groups: int) -> tuple[int, tuple[int, int]]:
+    """(blocks, (lanes, warps a block)) of a launch over ``groups`` groups."""
+    return min(-(-groups // WARPS_PER_BLOCK), MAX_BLOCKS), (WARP, WARPS_PER_BLOCK)
+
+
+@functools.lru_cache(maxsize=64)
+def _configured(kind: int, dtype: str, blocks: int, stream):
+    """The kernel with its launch configuration (made once per size and stream)."""
+    return _KERNELS[dtype][kind][blocks, (WARP, WARPS_PER_BLOCK), stream]
 
 
 def pack(x, codes, meta, bits: int, group_size: int, seed: int, base: int = 0,
@@ -168,10 +220,8 @@ def pack(x, codes, meta, bits: int, group_size: int, seed: int, base: int = 0,
     launched on ``stream``. Same arguments and bytes as :func:`actune_kernels.cpu.pack`."""
     groups = meta.shape[0]
     if groups:
-        blocks, threads = _grid(groups)
-        kernel = _KERNELS[str(x.dtype)][0]
-        kernel[blocks, threads, stream](x, codes, meta, bits, group_size, seed, base, stochastic,
-                                        zero_code)
+        launch = _configured(0, str(x.dtype), grid(groups)[0], stream)
+        launch(x, codes, meta, bits, group_size, seed, base, stochastic, zero_code)
 
 
 def unpack(codes, meta, bits: int, group_size: int, out, zero_code: bool = False,
@@ -179,13 +229,17 @@ def unpack(codes, meta, bits: int, group_size: int, out, zero_code: bool = False
     """Fill 1-D device array ``out`` from ``codes`` and ``meta``, launched on ``stream``."""
     groups = meta.shape[0]
     if groups:
-        blocks, threads = _grid(groups)
-        kernel = _KERNELS[str(out.dtype)][1]
-        kernel[blocks, threads, stream](codes, meta, bits, group_size, zero_code, out)
+        launch = _configured(1, str(out.dtype), grid(groups)[0], stream)
+        launch(codes, meta, bits, group_size, zero_code, out)
 
 
-def compile_ptx(cc: tuple[int, int] = (9, 0)) -> dict[str, str]:
-    """PTX of both kernels for float32 input at compute capability ``cc``.
+PACK_SIGNATURE = ("void({0}[::1], uint8[::1], uint16[:, ::1], int64, int64, int64, int64, "
+                  "boolean, boolean)")
+UNPACK_SIGNATURE = "void(uint8[::1], uint16[:, ::1], int64, int64, boolean, {0}[::1])"
+
+
+def compile_ptx(cc: tuple[int, int] = (9, 0), dtype: str = "float32") -> dict[str, str]:
+    """PTX of both kernels for ``dtype`` input at compute capability ``cc``.
 
     Needs NVRTC/NVVM (the ``numba-cuda[cu13]`` wheels) but no GPU: the proof on a machine
     without one that the kernels compile. numba-cuda asks the current device for its compute
@@ -193,13 +247,12 @@ def compile_ptx(cc: tuple[int, int] = (9, 0)) -> dict[str, str]:
     """
     from numba.cuda import dispatcher
 
-    pack_sig = ("void(float32[::1], uint8[::1], uint16[:, ::1], int64, int64, int64, int64, "
-                "boolean, boolean)")
-    unpack_sig = "void(uint8[::1], uint16[:, ::1], int64, int64, boolean, float32[::1])"
     device = SimpleNamespace(compute_capability=cc)
-    pack_kernel, unpack_kernel = _KERNELS["float32"]
+    pack_kernel, unpack_kernel = _KERNELS[dtype]
     with mock.patch.object(dispatcher, "get_current_device", return_value=device):
         return {
-            "pack": cuda.compile_ptx(pack_kernel.py_func, pack_sig, cc=cc)[0],
-            "unpack": cuda.compile_ptx(unpack_kernel.py_func, unpack_sig, cc=cc)[0],
+            "pack": cuda.compile_ptx(pack_kernel.py_func, PACK_SIGNATURE.format(dtype),
+                                     cc=cc)[0],
+            "unpack": cuda.compile_ptx(unpack_kernel.py_func, UNPACK_SIGNATURE.format(dtype),
+                                       cc=cc)[0],
         }

@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import numpy as np
+
 MASK32 = 0xFFFFFFFF
 #: The two odd multipliers of the 32-bit mixer; both below 2**31 so products fit in int64.
 MUL1 = 0x7FEB352D
@@ -42,6 +44,19 @@ def _mix32(x):
     x = (x * MUL2) & MASK32
     x ^= x >> 16
     return x
+
+
+def random24_u32(key, index):
+    """:func:`random24 <build>` of a uint32 ``key`` and ``index`` in 32-bit unsigned arithmetic
+    (for compiled code: every product and shift stays in one 32-bit register; the low 32 bits
+    of a product do not depend on the width it is computed in, so the bits are the same)."""
+    x = np.uint32(np.uint32(index) ^ np.uint32(key))
+    x = np.uint32(x ^ (x >> np.uint32(16)))
+    x = np.uint32(x * np.uint32(MUL1))
+    x = np.uint32(x ^ (x >> np.uint32(15)))
+    x = np.uint32(x * np.uint32(MUL2))
+    x = np.uint32(x ^ (x >> np.uint32(16)))
+    return np.int32(x >> np.uint32(8))
 
 
 def _frexp_exponent(a):

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run of under 8 minutes; results go to the folder OUT:
 #   bash scripts/gpu_check.sh OUT
-# gpu_check.log (everything printed), maxbatch_measure.json, bench.json, train.json.
+# gpu_check.log (everything printed), at_max.json, bench.json, train.json.
 # Sections (each bounded by its own timeout, so one failure does not lose the others):
 # 1. the environment (GPU, driver, torch, numba-cuda);
-# 2. the CUDA kernels against the CPU reference, byte for byte, on large tensors, and their
-#    throughput against torch clone on the GPU;
+# 2. the CUDA kernels against the CPU reference, byte for byte, on large tensors, their
+#    throughput against torch clone on the GPU, and the host time per launch;
 # 3. where a compressed step's time goes (scripts/gpu_profile.py: host vs GPU time, syncs);
 # 4. estimated against measured peak per level (ResNet-50, batch 64, 224x224);
 # 5. bench L0-L5 on ResNet-50 (batch 64, 224x224);
-# 6. actune maxbatch --mode measure at L3 and L0 on ResNet-50 under 16 GiB (real OOMs,
-#    subprocess probes; L3 first: each finished level is written at once);
+# 6. L3 and L0 each at its own max batch on ResNet-50 under 8 GiB (to fit the time) (bench --at-max --mode
+#    measure: real OOMs in subprocess probes, then samples/s at each level's max batch);
 # 7. training on digits at L0, u2, L3 and 1.25 bits on the GPU;
 # 8. attention's rule on every CUDA SDPA backend (math, flash, memory-efficient, cuDNN) in
 #    float32 and bfloat16, and Hugging Face GPT-2 small at L0 and L3 (scripts/gpu_transformers.py).
@@ -83,14 +83,14 @@ PY
 export -f actune env_report kernels estimate_vs_measured
 export PY
 section environment 30 env_report
-section kernels 70 kernels
+section kernels 60 kernels
 section profile 40 "$PY" scripts/gpu_profile.py
-section estimate_vs_measured 90 estimate_vs_measured
-section bench 110 actune bench --model resnet50 --resolution 224 --batch 64 --levels L0-L5 \
+section estimate_vs_measured 70 estimate_vs_measured
+section bench 100 actune bench --model resnet50 --resolution 224 --batch 64 --levels L0-L5 \
     --steps 5 --warmup 2 --json "$out/bench.json"
-section maxbatch_measure 100 actune maxbatch --model resnet50 --levels L3,L0 --mode measure \
-    --budget 16GiB --json "$out/maxbatch_measure.json"
-section train 30 actune train --device cuda --levels L0,u2,L3,1.25b --epochs 3 \
+section at_max 110 actune bench --model resnet50 --resolution 224 --levels L3,L0 --at-max \
+    --mode measure --budget 8GiB --steps 3 --warmup 1 --json "$out/at_max.json"
+section train 25 actune train --device cuda --levels L0,u2,L3,1.25b --epochs 3 \
     --json "$out/train.json"
-section transformers 45 "$PY" scripts/gpu_transformers.py --device cuda
+section transformers 40 "$PY" scripts/gpu_transformers.py --device cuda
 echo "done after $SECONDS s" | tee -a "$log"

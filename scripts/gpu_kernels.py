@@ -72,6 +72,15 @@ def speed(numel: int) -> None:
         torch.cuda.synchronize()
         return numel * reps / (time.perf_counter() - t)
 
+    small = torch.randn(4096, device="cuda")  # GPU work negligible: the host's time
+    actune.quantize(small, 2)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(2000):
+        actune.quantize(small, 2)
+    host = (time.perf_counter() - t) / 2000
+    torch.cuda.synchronize()
+    print(f"host time per launch: quantize of 4,096 elements {host * 1e6:.1f} us a call")
     clone = rate(lambda: x.clone())
     print(f"torch clone: {clone / 1e9:.1f} Gelem/s ({numel:,} float32)")
     for bits in (1, 2, 4, 8):

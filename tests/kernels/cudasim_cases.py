@@ -23,12 +23,20 @@ CASES = [
     (2, np.float32, 256, 64, True, 2**32 - 100, False),  # a group crosses a 2**32 stream boundary
     (2, np.float32, 128, 64, True, 2**33 + 7, False),
     (2, np.float32, 200, 64, True, 0, True),  # zero-code mode (ReLU outputs)
+    (2, np.float32, 260, 40, True, 0, False),  # groups that are not whole rows of a warp
+    (4, np.float32, 600, 256, True, 5, False),  # the default group size, a tail group
+    (2, np.float64, 300, 8, True, 0, True),  # one byte per group row: lanes past the group
 ]
+#: Cases run again with one block a launch: the warps loop over the groups.
+ONE_BLOCK = [(2, np.float32, 700, 64, True, 2**32 - 300, False),
+             (1, np.float32, 300, 16, False, 0, False)]
 
 
 def main() -> int:
     rng = np.random.default_rng(0)
-    for bits, dtype, n, gs, stochastic, base, zero_code in CASES:
+    for case in CASES + ONE_BLOCK:
+        bits, dtype, n, gs, stochastic, base, zero_code = case
+        kernels.MAX_BLOCKS = 1 if case in ONE_BLOCK else 8192
         x = (rng.standard_normal(n) * 3).astype(dtype)
         x[: min(n, 40)] = 0.5  # a constant run
         if zero_code:
@@ -50,7 +58,7 @@ def main() -> int:
         )
         print(f"bits={bits} dtype={np.dtype(dtype).name} n={n} group={gs} "
               f"stochastic={stochastic} base={base} zero_code={zero_code} "
-              f"groups={layout.num_groups(n, gs)} "
+              f"groups={layout.num_groups(n, gs)} blocks={kernels.grid(len(meta))[0]} "
               f"same={same}")
         if not same:
             return 1
