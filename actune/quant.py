@@ -10,6 +10,7 @@ calls them runs under ``FakeTensorMode`` and passes ``torch.library.opcheck``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -89,6 +90,13 @@ def _cuda_launch(fn, *tensors, **kw):
     fn(*arrays, stream=stream, **kw)
 
 
+@functools.cache
+def _cpu_kernels():
+    from actune_kernels import cpu
+
+    return cpu
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray:
     a = t.detach().numpy()
     return a.view(np.uint16) if a.dtype == np.int16 else a
@@ -98,9 +106,18 @@ def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochasti
              zero_code: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack a 1-D tensor; ``seed`` < 0 draws one from torch's default generator."""
     n = x.numel()
-    codes = torch.empty(layout.codes_nbytes(n, bits, group_size), dtype=torch.uint8,
-                        device=x.device)
-    meta = torch.empty((layout.num_groups(n, group_size), 2), dtype=torch.int16, device=x.device)
+    groups = -(-n // group_size)
+    if x.is_cpu:  # the common case first, with nothing computed twice
+        codes = torch.empty(groups * (group_size * bits // 8), dtype=torch.uint8)
+        meta = torch.empty((groups, 2), dtype=torch.int16)
+        if n:
+            src = x if x.dtype in _KERNEL_DTYPES else x.float()
+            _cpu_kernels().pack(src.numpy(), codes.numpy(), meta.numpy().view(np.uint16),
+                                bits, group_size, _draw_seed() if seed < 0 else seed, 0,
+                                stochastic, zero_code)
+        return codes, meta
+    codes = torch.empty(groups * (group_size * bits // 8), dtype=torch.uint8, device=x.device)
+    meta = torch.empty((groups, 2), dtype=torch.int16, device=x.device)
     if n == 0:
         return codes, meta
     if seed < 0:
@@ -112,11 +129,6 @@ def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochasti
         _cuda_launch(lambda a, c, m, stream: kernels.pack(a, c, m, bits, group_size, seed, 0,
                                                            stochastic, zero_code, stream=stream),
                      src, codes, meta)
-    elif x.device.type == "cpu":
-        from actune_kernels import cpu as kernels
-
-        kernels.pack(_numpy(src), _numpy(codes), _numpy(meta), bits, group_size, seed, 0,
-                     stochastic, zero_code)
     else:
         raise NotImplementedError(f"actune has kernels for CPU and CUDA tensors, not {x.device}")
     return codes, meta
@@ -140,17 +152,18 @@ def _unpack_impl(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size:
     work = dtype if dtype in _KERNEL_DTYPES else torch.float32
     out = torch.empty(numel, dtype=work, device=codes.device)
     if numel:
-        if codes.device.type == "cuda":
+        if codes.is_cpu:
+            _cpu_kernels().unpack(codes.numpy(), meta.numpy().view(np.uint16), bits, group_size,
+                                  out.numpy(), zero_code)
+        elif codes.device.type == "cuda":
             from actune_kernels import cuda as kernels
 
             _cuda_launch(lambda c, m, o, stream: kernels.unpack(c, m, bits, group_size, o,
                                                                  zero_code, stream=stream),
                          codes, meta, out)
         else:
-            from actune_kernels import cpu as kernels
-
-            kernels.unpack(_numpy(codes), _numpy(meta), bits, group_size, _numpy(out),
-                           zero_code)
+            raise NotImplementedError(
+                f"actune has kernels for CPU and CUDA tensors, not {codes.device}")
     return out if work == dtype else out.to(dtype)
 
 

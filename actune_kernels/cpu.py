@@ -306,6 +306,15 @@ def _unpack(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover - 
             _unpack_group(src, ys, lo, scale, zero_code, bits)
 
 
+#: The same kernels on the calling thread alone: below these sizes waking the thread pool
+#: costs more than it saves (one 2-bit tensor of 4,096 elements: 5.4 against 7.7 us to pack,
+#: 1.5 against 4.8 us to unpack; docs/benchmarks.md).
+_pack_serial = numba.njit(cache=True, nogil=True)(_pack.py_func)
+_unpack_serial = numba.njit(cache=True, nogil=True)(_unpack.py_func)
+SERIAL_PACK = 8192
+SERIAL_UNPACK = 16384
+
+
 def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
          seed: int, base: int = 0, stochastic: bool = True, zero_code: bool = False) -> None:
     """Fill ``codes`` (uint8) and ``meta`` (uint16 [G, 2]) from 1-D float32/float64 ``x``.
@@ -313,17 +322,21 @@ def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_si
     ``base`` is the index of ``x[0]`` in the random stream ``seed``; ``zero_code`` reserves
     code 0 for exact zeros (for tensors >= 0, such as ReLU outputs; bits >= 2).
     """
-    if x.size:
+    n = x.size
+    if n:
         view, magnitude, inf_key = _BITS[x.dtype]
-        _pack(x, x.view(view), magnitude, inf_key, codes, meta, bits, group_size,
-              np.int64(seed), np.int64(base), bool(stochastic), bool(zero_code))
+        kernel = _pack if n >= SERIAL_PACK else _pack_serial
+        kernel(x, x.view(view), magnitude, inf_key, codes, meta, bits, group_size,
+               np.int64(seed), np.int64(base), bool(stochastic), bool(zero_code))
 
 
 def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
            out: np.ndarray, zero_code: bool = False) -> None:
     """Fill 1-D float32/float64 ``out`` from ``codes`` and ``meta``."""
-    if out.size:
-        _unpack(codes, meta, bits, group_size, bool(zero_code), out)
+    n = out.size
+    if n:
+        kernel = _unpack if n >= SERIAL_UNPACK else _unpack_serial
+        kernel(codes, meta, bits, group_size, bool(zero_code), out)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)

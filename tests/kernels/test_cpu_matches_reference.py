@@ -92,3 +92,24 @@ def test_property_bytes_match(x, bits, seed, stochastic, zero_code):
     if zero_code:
         x = np.maximum(x, 0)
     assert_same(x, bits, group_size=64, seed=seed, stochastic=stochastic, zero_code=zero_code)
+
+
+@pytest.mark.parametrize("n", [cpu.SERIAL_PACK - 1, cpu.SERIAL_PACK, cpu.SERIAL_UNPACK + 300])
+def test_one_thread_and_the_pool_give_the_same_bytes_around_the_size_switch(n):
+    """Small tensors run on the calling thread, large ones on the pool: both the reference's
+    bytes (sizes on either side of where :func:`cpu.pack` / :func:`cpu.unpack` switch)."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    assert_same(x, 2, base=2**32 - 1000)  # a group crossing a 2**32 stream boundary too
+    c, m = pack_cpu(x, 4, 256, 3)
+    words = x.view(np.int32)
+    args = (x, words, np.int32(0x7FFFFFFF), np.int32(0x7F800000))
+    for kernel in (cpu._pack, cpu._pack_serial):
+        c2, m2 = np.zeros_like(c), np.zeros_like(m)
+        kernel(*args, c2, m2, 4, 256, np.int64(3), np.int64(0), True, False)
+        np.testing.assert_array_equal(c2, c)
+        np.testing.assert_array_equal(m2, m)
+    outs = [np.empty(n, np.float32) for _ in range(2)]
+    cpu._unpack(c, m, 4, 256, False, outs[0])
+    cpu._unpack_serial(c, m, 4, 256, False, outs[1])
+    np.testing.assert_array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
