@@ -19,6 +19,8 @@ A slow, general loop handles the last partial group and groups whose random stre
 
 from __future__ import annotations
 
+import types
+
 import numba
 import numpy as np
 from numba import prange
@@ -309,8 +311,19 @@ def _unpack(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover - 
 #: The same kernels on the calling thread alone: below these sizes waking the thread pool
 #: costs more than it saves (one 2-bit tensor of 4,096 elements: 5.4 against 7.7 us to pack,
 #: 1.5 against 4.8 us to unpack; docs/benchmarks.md).
-_pack_serial = numba.njit(cache=True, nogil=True)(_pack.py_func)
-_unpack_serial = numba.njit(cache=True, nogil=True)(_unpack.py_func)
+def _serial(kernel):
+    """``kernel`` compiled without the thread pool, under its own name: Numba's on-disk cache
+    is keyed by a function's name, not by ``parallel``, so a copy of the same function under
+    the same name would load the other's machine code."""
+    f = kernel.py_func
+    copy = types.FunctionType(f.__code__, f.__globals__, f.__name__ + "_serial",
+                              f.__defaults__, f.__closure__)
+    copy.__qualname__ = f.__qualname__ + "_serial"
+    return numba.njit(cache=True, nogil=True)(copy)
+
+
+_pack_serial = _serial(_pack)
+_unpack_serial = _serial(_unpack)
 SERIAL_PACK = 8192
 SERIAL_UNPACK = 16384
 
