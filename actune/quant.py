@@ -106,24 +106,20 @@ def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochasti
              zero_code: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack a 1-D tensor; ``seed`` < 0 draws one from torch's default generator."""
     n = x.numel()
-    groups = -(-n // group_size)
-    if x.is_cpu:  # the common case first, with nothing computed twice
-        codes = torch.empty(groups * (group_size * bits // 8), dtype=torch.uint8)
-        meta = torch.empty((groups, 2), dtype=torch.int16)
-        if n:
-            src = x if x.dtype in _KERNEL_DTYPES else x.float()
-            _cpu_kernels().pack(src.numpy(), codes.numpy(), meta.numpy().view(np.uint16),
-                                bits, group_size, _draw_seed() if seed < 0 else seed, 0,
-                                stochastic, zero_code)
-        return codes, meta
-    codes = torch.empty(groups * (group_size * bits // 8), dtype=torch.uint8, device=x.device)
-    meta = torch.empty((groups, 2), dtype=torch.int16, device=x.device)
+    on_cpu = x.is_cpu  # (cheaper than x.device, which the common case never needs)
+    device = None if on_cpu else x.device
+    codes = torch.empty(layout.codes_nbytes(n, bits, group_size), dtype=torch.uint8,
+                        device=device)
+    meta = torch.empty((layout.num_groups(n, group_size), 2), dtype=torch.int16, device=device)
     if n == 0:
         return codes, meta
     if seed < 0:
         seed = _draw_seed()
     src = x if x.dtype in _KERNEL_DTYPES else x.float()
-    if x.device.type == "cuda":
+    if on_cpu:
+        _cpu_kernels().pack(src.numpy(), codes.numpy(), meta.numpy().view(np.uint16), bits,
+                            group_size, seed, 0, stochastic, zero_code)
+    elif device.type == "cuda":
         from actune_kernels import cuda as kernels
 
         _cuda_launch(lambda a, c, m, stream: kernels.pack(a, c, m, bits, group_size, seed, 0,

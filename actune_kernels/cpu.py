@@ -308,9 +308,6 @@ def _unpack(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover - 
             _unpack_group(src, ys, lo, scale, zero_code, bits)
 
 
-#: The same kernels on the calling thread alone: below these sizes waking the thread pool
-#: costs more than it saves (one 2-bit tensor of 4,096 elements: 5.4 against 7.7 us to pack,
-#: 1.5 against 4.8 us to unpack; docs/benchmarks.md).
 def _serial(kernel):
     """``kernel`` compiled without the thread pool, under its own name: Numba's on-disk cache
     is keyed by a function's name, not by ``parallel``, so a copy of the same function under
@@ -322,6 +319,9 @@ def _serial(kernel):
     return numba.njit(cache=True, nogil=True)(copy)
 
 
+#: The same kernels on the calling thread alone, for tensors under these sizes: there waking
+#: the thread pool costs more than it saves (one 2-bit tensor of 4,096 elements: 5.4 against
+#: 7.7 us to pack, 1.5 against 4.8 us to unpack; docs/benchmarks.md).
 _pack_serial = _serial(_pack)
 _unpack_serial = _serial(_unpack)
 SERIAL_PACK = 8192

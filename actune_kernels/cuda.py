@@ -59,19 +59,13 @@ if config.ENABLE_CUDASIM:  # the simulator runs NumPy scalars: IEEE products, ne
         return np.uint32((int(a) + int(b)) & MASK32)  # (NumPy scalars warn on wrapping)
 
     @cuda.jit(device=True)
-    def _xor_f(value, lane_mask, fbuf, ibuf, row, lane):
-        """The value of lane ``lane ^ lane_mask`` (a shuffle, through shared memory)."""
+    def _xor(value, lane_mask, buf, row, lane):
+        """The value of lane ``lane ^ lane_mask`` (a shuffle, through shared memory ``buf``
+        of ``value``'s kind)."""
         cuda.syncthreads()
-        fbuf[row, lane] = value
+        buf[row, lane] = value
         cuda.syncthreads()
-        return fbuf[row, lane ^ lane_mask]
-
-    @cuda.jit(device=True)
-    def _xor_i(value, lane_mask, fbuf, ibuf, row, lane):
-        cuda.syncthreads()
-        ibuf[row, lane] = value
-        cuda.syncthreads()
-        return ibuf[row, lane ^ lane_mask]
+        return buf[row, lane ^ lane_mask]
 else:  # products that the compiler may not fuse into a following add (no FMA contraction)
     from numba.cuda import libdevice
 
@@ -84,10 +78,8 @@ else:  # products that the compiler may not fuse into a following add (no FMA co
         return np.uint32(a + np.uint32(b))  # wraps at 2**32
 
     @cuda.jit(device=True)
-    def _xor_f(value, lane_mask, fbuf, ibuf, row, lane):
+    def _xor(value, lane_mask, buf, row, lane):  # (buf: the simulator's alone)
         return cuda.shfl_xor_sync(_FULL, value, lane_mask)
-
-    _xor_i = _xor_f
 
 
 def _make_kernels(mul):
@@ -125,9 +117,9 @@ def _make_kernels(mul):
                 mx = max(mx, v)
                 flag += v - v  # NaN for NaN and inf
             for m in (16, 8, 4, 2, 1):
-                mn = min(mn, _xor_f(mn, m, fbuf, ibuf, row, lane))
-                mx = max(mx, _xor_f(mx, m, fbuf, ibuf, row, lane))
-                flag += _xor_f(flag, m, fbuf, ibuf, row, lane)
+                mn = min(mn, _xor(mn, m, fbuf, row, lane))
+                mx = max(mx, _xor(mx, m, fbuf, row, lane))
+                flag += _xor(flag, m, fbuf, row, lane)
             lo_word, scale_word, lo64, scale64 = _group_meta(
                 math.nan if flag != 0 else float(mn), float(mx), float(levels - first),
                 zero_code)
@@ -164,7 +156,7 @@ def _make_kernels(mul):
                 word = np.int32(code << ((lane % per) * bits))
                 m = 1
                 while m < per:  # the byte's lanes OR their codes together
-                    word = np.int32(word | _xor_i(word, m, fbuf, ibuf, row, lane))
+                    word = np.int32(word | _xor(word, m, ibuf, row, lane))
                     m *= 2
                 if lane % per == 0 and o < group_size and g < groups:
                     codes[out0 + o // per] = word
