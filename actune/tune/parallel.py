@@ -66,6 +66,7 @@ def _forked(items: Sequence, search: Callable, on_probe: Callable | None,
     messages = ctx.Queue()
     pending = deque(order)
     running: dict[int, multiprocessing.process.BaseProcess] = {}
+    ended: set[int] = set()  # children found ended at the last poll that got nothing
     interrupted = False
     try:
         while pending or running:
@@ -80,7 +81,7 @@ def _forked(items: Sequence, search: Callable, on_probe: Callable | None,
                         on_probe(items[i], payload)
                     continue
             except queues.Empty:
-                _check_alive(running, items)
+                ended = _given_up(running, ended, items, interrupted)
                 continue
             except KeyboardInterrupt:
                 if interrupted:  # a second Ctrl-C: stop waiting for the children
@@ -90,6 +91,7 @@ def _forked(items: Sequence, search: Callable, on_probe: Callable | None,
                 for child in running.values():
                     _interrupt(child)
                 continue
+            ended.discard(i)
             running.pop(i).join()
             if kind == "error":
                 raise payload
@@ -104,12 +106,26 @@ def _forked(items: Sequence, search: Callable, on_probe: Callable | None,
         messages.close()
 
 
-def _check_alive(running: dict, items: Sequence) -> None:
+def _given_up(running: dict, ended: set[int], items: Sequence, interrupted: bool) -> set[int]:
+    """After a poll that got nothing: drop the children that had already ended at the
+    previous one (their last message is not coming) and return those ended now. Unless
+    interrupted, a child that ended without its row is an error."""
+    for i in [i for i in ended if i in running]:
+        code = running.pop(i).exitcode
+        if not interrupted:
+            raise RuntimeError(_lost(items[i], code))
+    now = set()
     for i, child in running.items():
-        if not child.is_alive() and child.exitcode not in (0, None):
-            raise RuntimeError(f"the search of {getattr(items[i], 'name', items[i])} ended "
-                               f"without a result (its process exited with code "
-                               f"{child.exitcode}); run it alone with --jobs 1")
+        if not child.is_alive():
+            if child.exitcode and not interrupted:  # killed or crashed: no need to wait
+                raise RuntimeError(_lost(items[i], child.exitcode))
+            now.add(i)
+    return now
+
+
+def _lost(item, code: int | None) -> str:
+    return (f"the search of {getattr(item, 'name', item)} ended without a result (its "
+            f"process exited with code {code}); run it alone with --jobs 1")
 
 
 _SIGNALS = {signal.SIGINT, signal.SIGUSR1}
@@ -139,15 +155,25 @@ def _child(messages, i: int, item, search: Callable) -> None:  # runs in the for
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
         torch.set_num_threads(1)  # fake tensors: nothing to compute in parallel
-        result = search(item, lambda _item, probe: messages.put(("probe", i, probe)))
-        messages.put(("row", i, result))
+        result = search(item, lambda _item, probe: _send(messages, ("probe", i, probe)))
+        _send(messages, ("row", i, result))
     except KeyboardInterrupt:  # before the search had anything to keep
-        messages.put(("interrupted", i, None))
+        _send(messages, ("interrupted", i, None))
     except BaseException as err:  # sent back whole: the parent raises it
-        messages.put(("error", i, _portable(err)))
+        _send(messages, ("error", i, _portable(err)))
     finally:
         messages.close()
         messages.join_thread()
+
+
+def _send(messages, message: tuple) -> None:
+    """Put ``message`` with the interrupt held back: landing inside ``put`` (while it starts
+    the queue's feeder thread) it left a queue that never sent anything again."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        messages.put(message)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _portable(err: BaseException) -> BaseException:

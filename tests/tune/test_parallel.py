@@ -1,6 +1,8 @@
 """Searches side by side in forked processes: the same rows as one after another."""
 
+import multiprocessing.queues
 import os
+import signal
 import time
 
 import pytest
@@ -54,15 +56,51 @@ def _until_interrupted(item, on_probe):
 
 
 def test_ctrl_c_interrupts_every_running_search_once_and_keeps_their_answers():
-    def ctrl_c(item, p):
-        raise KeyboardInterrupt
+    first = []
+
+    def ctrl_c(item, p):  # one Ctrl-C, at the first trial; later trials arrive as usual
+        if not first:
+            first.append(item)
+            raise KeyboardInterrupt
 
     got = []
     with pytest.raises(KeyboardInterrupt):
         for _i, row in run_searches(["x", "y", "z"], _until_interrupted, ctrl_c, 2):
             got.append(row)
-    # x was searching (it sent the trial); y had perhaps not begun; z never started
-    assert "best so far of x" in got and set(got) <= {"best so far of x", "best so far of y"}
+    # the search that sent the trial was searching and keeps its answer; the other may not
+    # have begun (nothing to keep); z never started
+    assert f"best so far of {first[0]}" in got
+    assert set(got) <= {"best so far of x", "best so far of y"}
+
+
+def _interrupted_while_sending(item, on_probe):
+    try:
+        on_probe(item, 1)  # the parent's interrupt lands as the queue starts its sender
+        time.sleep(5)
+    except KeyboardInterrupt:
+        return f"kept {item}"
+    return "not interrupted"
+
+
+def test_an_interrupt_landing_while_a_search_sends_a_trial_reaches_the_search(monkeypatch):
+    start_sender = multiprocessing.queues.Queue._start_thread
+
+    def interrupted(queue):
+        os.kill(os.getpid(), signal.SIGUSR1)  # in the forked search's process
+        start_sender(queue)
+
+    monkeypatch.setattr(multiprocessing.queues.Queue, "_start_thread", interrupted)
+    assert dict(run_searches(["a", "b"], _interrupted_while_sending, None, 2)) == {
+        0: "kept a", 1: "kept b"}
+
+
+def _ends_silently(item, on_probe):
+    os._exit(0)
+
+
+def test_a_search_that_ends_without_its_row_is_an_error_not_an_endless_wait():
+    with pytest.raises(RuntimeError, match="search of a ended without a result"):
+        list(run_searches(["a", "b"], _ends_silently, None, 2))
 
 
 def _blocks() -> nn.Module:
@@ -130,15 +168,17 @@ def test_ctrl_c_keeps_the_rows_that_came_back_in_the_order_asked_for():
     out)."""
     workload = Workload("blocks", _blocks, _batch)
     settings = run.Settings(Budget(16 << 20, "test"), "estimate", "cpu", "CPU", jobs=2)
-    kept, reports = [], []
+    kept, reports, first = [], [], []
 
-    def ctrl_c(config, probe):
-        raise KeyboardInterrupt
+    def ctrl_c(config, probe):  # one Ctrl-C, at the first trial
+        if not first:
+            first.append(config.name)
+            raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         run.maxbatch(workload, parse_configs("L0,L3,L4"), settings, on_probe=ctrl_c,
                      on_level=lambda report: (kept.append([r.level for r in report.levels]),
                                               reports.append(report)))
     # the search that sent the trial is kept; the other one too unless it had not begun
-    assert kept[-1] in (["L3", "L4"], ["L3"], ["L4"])
+    assert kept[-1] in (["L3", "L4"], ["L3"], ["L4"]) and first[0] in kept[-1]
     assert all(not r.complete for r in reports[-1].levels)
