@@ -6,6 +6,7 @@ from actune.hooks import CompressionStats, compressed
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import LEVELS, Level, get_level, parse_levels
 from actune.quant import PackedMask, PackedTensor, dequantize, pack_mask, quantize, unpack_mask
+from actune.quant_batch import dequantize_many, quantize_many
 from actune.saved import DoubleBackwardError
 
 __version__ = "0.1.0"
@@ -26,12 +27,14 @@ __all__ = [
     "compressed",
     "decompress",
     "dequantize",
+    "dequantize_many",
     "disallow_inplace_norms",
     "get_level",
     "is_compressed",
     "pack_mask",
     "parse_levels",
     "quantize",
+    "quantize_many",
     "summary",
     "unpack_mask",
 ]

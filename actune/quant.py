@@ -195,6 +195,21 @@ def _storage_order(x: torch.Tensor) -> torch.Tensor | None:
     return permuted if permuted.is_contiguous() else None
 
 
+def check_arguments(x: torch.Tensor, bits: int, group_size: int, seed: int | None,
+                    zero_code: bool) -> None:
+    """Raise ``TypeError`` / ``ValueError`` naming what to fix in :func:`quantize`'s
+    arguments."""
+    layout.check_bits(bits)
+    layout.check_group_size(group_size)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {type(x).__name__}"
+                        + (f" of {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+    if seed is not None and not 0 <= seed < 2**62:
+        raise ValueError(f"seed must be in [0, 2**62), got {seed}")
+    if zero_code and bits < 2:
+        raise ValueError("zero_code needs at least 2 bits (code 0 is taken by the zeros)")
+
+
 def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GROUP_SIZE,
              seed: int | None = None, stochastic: bool = True,
              zero_code: bool = False) -> PackedTensor:
@@ -211,31 +226,27 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
     ``zero_code=True`` (for tensors >= 0, such as ReLU outputs; 2 bits or more) reserves code 0
     for exact zeros: ``dequantize(p) > 0`` is then exactly ``x > 0``, still unbiased.
     """
-    layout.check_bits(bits)
-    layout.check_group_size(group_size)
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"quantize expects a floating-point tensor, got {type(x).__name__}"
-                        + (f" of {x.dtype}" if isinstance(x, torch.Tensor) else ""))
-    if seed is not None and not 0 <= seed < 2**62:
-        raise ValueError(f"seed must be in [0, 2**62), got {seed}")
-    if zero_code and bits < 2:
-        raise ValueError("zero_code needs at least 2 bits (code 0 is taken by the zeros)")
+    check_arguments(x, bits, group_size, seed, zero_code)
     if _shapes_only(x) and x.is_contiguous():  # an estimate: no detach, no flat view
         codes, meta = _fake_pack(x, bits, group_size, 0, stochastic, zero_code)
         return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(x.stride()),
                             zero_code)
+    flat, stride = memory_order(x)
+    pack = _fake_pack if _shapes_only(x) else _pack_impl if _plain(x) else _pack_op
+    codes, meta = pack(flat, bits, group_size, -1 if seed is None else seed, stochastic,
+                       zero_code)
+    return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, stride, zero_code)
+
+
+def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``x``'s elements as a 1-D tensor in memory order (a view when ``x`` is dense in any
+    layout, else a row-major copy) and the strides :func:`dequantize` restores."""
     x = x.detach()
     dense = _storage_order(x)
     if dense is None:  # overlapping or with gaps: pack a row-major copy
         dense = x.contiguous()
-        stride = dense.stride()
-    else:  # packed in memory order; dequantize restores these strides
-        stride = x.stride()
-    pack = _fake_pack if _shapes_only(x) else _pack_impl if _plain(x) else _pack_op
-    codes, meta = pack(dense.reshape(-1), bits, group_size, -1 if seed is None else seed,
-                       stochastic, zero_code)
-    return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(stride),
-                        zero_code)
+        return dense.reshape(-1), tuple(dense.stride())
+    return dense.reshape(-1), tuple(x.stride())
 
 
 def dequantize(p: PackedTensor) -> torch.Tensor:

@@ -1,0 +1,136 @@
+"""quantize_many() / dequantize_many(): several tensors through one kernel call.
+
+On the CPU a kernel call has a fixed cost (the call, argument checks, the thread pool) that
+dominates for small tensors. Here the tensors of one call are copied into one flat buffer
+(float64 ones into their own) and packed as segments of it
+(:mod:`actune_kernels.cpu_segments`): each keeps its own bits and zero-code flag, and its
+bytes are those :func:`actune.quant.quantize` gives it alone, at its own place in one random
+stream. The packed tensors are views of one codes and one metadata buffer. Other tensors
+(CUDA, fake, traced) go one by one through :func:`quantize`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from actune.quant import (
+    PackedTensor,
+    _draw_seed,
+    _numpy,
+    _plain,
+    check_arguments,
+    dequantize,
+    memory_order,
+    quantize,
+)
+from actune_kernels import layout
+
+__all__ = ["dequantize_many", "quantize_many"]
+
+
+def _per_tensor(value, n: int, name: str) -> list:
+    if isinstance(value, Sequence):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} tensors")
+        return list(value)
+    return [value] * n
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _batchable(t: torch.Tensor) -> bool:
+    return t.is_cpu and _plain(t) and t.numel() > 0
+
+
+def quantize_many(xs: Sequence[torch.Tensor], bits: int | Sequence[int], *,
+                  group_size: int = layout.DEFAULT_GROUP_SIZE, seed: int | None = None,
+                  stochastic: bool = True,
+                  zero_code: bool | Sequence[bool] = False) -> list[PackedTensor]:
+    """:func:`actune.quant.quantize` of each tensor of ``xs``, CPU ones in one kernel call
+    per working precision (float64; everything else as float32). ``bits`` and ``zero_code``
+    are one value for all or one per tensor; dtypes, shapes and layouts may differ. Each
+    result dequantizes (with :func:`dequantize` or :func:`dequantize_many`) to its own
+    tensor's shape, dtype and strides."""
+    n = len(xs)
+    widths = _per_tensor(bits, n, "bits")
+    zeros = _per_tensor(zero_code, n, "zero_code")
+    for x, b, z in zip(xs, widths, zeros, strict=True):
+        check_arguments(x, b, group_size, seed, z)
+    out: list[PackedTensor | None] = [None] * n
+    batches: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        if _batchable(x):
+            batches.setdefault(_work_dtype(x.dtype), []).append(i)
+        else:  # its own seed: the stream of one call is not shared across calls
+            own = None if seed is None else (seed + 1 + i) % 2**62
+            out[i] = quantize(x, widths[i], group_size=group_size, seed=own,
+                              stochastic=stochastic, zero_code=zeros[i])
+    for work, idx in batches.items():
+        for i, p in zip(idx, _pack_batch([xs[i] for i in idx], [widths[i] for i in idx],
+                                         [zeros[i] for i in idx], work, group_size,
+                                         _draw_seed() if seed is None else seed, stochastic),
+                        strict=True):
+            out[i] = p
+    return out
+
+
+def _pack_batch(xs: list[torch.Tensor], widths: list[int], zeros: list[bool],
+                work: torch.dtype, group_size: int, seed: int,
+                stochastic: bool) -> list[PackedTensor]:
+    from actune_kernels import cpu_segments
+
+    flats, strides = zip(*(memory_order(x) for x in xs), strict=True)
+    flat = torch.cat([f if f.dtype == work else f.to(work) for f in flats])
+    start, group, codes_at = cpu_segments.segments([f.numel() for f in flats], widths,
+                                                   group_size)
+    codes = torch.empty(int(codes_at[-1]), dtype=torch.uint8)
+    meta = torch.empty((int(group[-1]), 2), dtype=torch.int16)
+    cpu_segments.pack_segments(flat.numpy(), codes.numpy(), _numpy(meta), start, group,
+                               codes_at, np.array(widths, np.uint8), np.array(zeros, np.bool_),
+                               group_size, seed, stochastic)
+    return [PackedTensor(codes[codes_at[k]:codes_at[k + 1]], meta[group[k]:group[k + 1]],
+                         widths[k], group_size, x.shape, x.dtype, strides[k], zeros[k])
+            for k, x in enumerate(xs)]
+
+
+def dequantize_many(ps: Sequence[PackedTensor]) -> list[torch.Tensor]:
+    """:func:`actune.quant.dequantize` of each packed tensor, CPU ones in one kernel call per
+    group size and working precision. The CPU results are views of one buffer (it is freed
+    when the last of them is)."""
+    out: list[torch.Tensor | None] = [None] * len(ps)
+    batches: dict[tuple[int, torch.dtype], list[int]] = {}
+    for i, p in enumerate(ps):
+        if _batchable(p.codes) and p.numel():
+            batches.setdefault((p.group_size, _work_dtype(p.dtype)), []).append(i)
+        else:
+            out[i] = dequantize(p)
+    for (group_size, work), idx in batches.items():
+        for i, t in zip(idx, _unpack_batch([ps[i] for i in idx], work, group_size),
+                        strict=True):
+            out[i] = t
+    return out
+
+
+def _unpack_batch(ps: list[PackedTensor], work: torch.dtype,
+                  group_size: int) -> list[torch.Tensor]:
+    from actune_kernels import cpu_segments
+
+    widths = [p.bits for p in ps]
+    start, group, codes_at = cpu_segments.segments([p.numel() for p in ps], widths, group_size)
+    codes = torch.cat([p.codes for p in ps]) if len(ps) > 1 else ps[0].codes
+    meta = torch.cat([p.meta for p in ps]) if len(ps) > 1 else ps[0].meta
+    flat = torch.empty(int(start[-1]), dtype=work)
+    cpu_segments.unpack_segments(codes.numpy(), _numpy(meta), start, group, codes_at,
+                                 np.array(widths, np.uint8),
+                                 np.array([p.zero_code for p in ps], np.bool_), group_size,
+                                 flat.numpy())
+    out = []
+    for k, p in enumerate(ps):
+        t = flat[start[k]:start[k + 1]].as_strided(p.shape, p.stride)
+        out.append(t if p.dtype == work else t.to(p.dtype))
+    return out
