@@ -41,6 +41,7 @@ from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level, get_level
 from actune.mode import FunctionMode, parameter_like, top_hooks
 from actune.quant import PackedMask, pack_mask, quantize, quantize_samples
+from actune.quant_batch import quantize_many
 from actune.rules import op_name
 from actune.saved import Derived, Saved, feature_major
 
@@ -366,6 +367,14 @@ class _Session:
         level sets apart: attention's q and k, the loss's probabilities)."""
         packed = quantize(t, bits, group_size=self.level.group_size)
         return self._hold(self._new(packed), kind, replaces)
+
+    def pack_fixed_many(self, items: list[tuple[torch.Tensor, int, str]]) -> list[Saved]:
+        """:meth:`pack_fixed` of several tensors one op saves, ``(tensor, bits, kind)`` each:
+        the small ones in one kernel call (:func:`actune.quant_batch.quantize_many`)."""
+        packed = quantize_many([t for t, _, _ in items], [b for _, b, _ in items],
+                               group_size=self.level.group_size)
+        return [self._hold(self._new(p), kind, (t,))
+                for p, (t, _, kind) in zip(packed, items, strict=True)]
 
     def pack_small_ints(self, values: torch.Tensor, kind: str, replaces: tuple = ()) -> Saved:
         """Integers in [0, 256) kept exactly in one byte each."""

@@ -1,8 +1,8 @@
 """quantize_many() / dequantize_many(): several tensors through one kernel call.
 
 On the CPU a kernel call has a fixed cost (the call, argument checks, the thread pool) that
-dominates for small tensors. Here the tensors of one call are copied into one flat buffer
-(float64 ones into their own) and packed as segments of it
+dominates for small tensors. Here the small tensors of one call are copied into one flat
+buffer (float64 ones into their own) and packed as segments of it
 (:mod:`actune_kernels.cpu_segments`): each keeps its own bits and zero-code flag, and its
 bytes are those :func:`actune.quant.quantize` gives it alone, at its own place in one random
 stream. The packed tensors are views of one codes and one metadata buffer. Other tensors
@@ -43,19 +43,29 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _batchable(t: torch.Tensor) -> bool:
-    return t.is_cpu and _plain(t) and t.numel() > 0
+#: Elements below which a tensor joins the shared call: larger ones are packed (unpacked) in
+#: their own call, whose fixed cost is small beside their work, without the shared buffer's
+#: copy. The one-thread kernels' limits (:mod:`actune_kernels.cpu`).
+SMALL_PACK = 8192
+SMALL_UNPACK = 16384
+
+
+def _batchable(t: torch.Tensor, numel: int, small: int) -> bool:
+    return 0 < numel < small and t.is_cpu and _plain(t)
 
 
 def quantize_many(xs: Sequence[torch.Tensor], bits: int | Sequence[int], *,
                   group_size: int = layout.DEFAULT_GROUP_SIZE, seed: int | None = None,
                   stochastic: bool = True,
                   zero_code: bool | Sequence[bool] = False) -> list[PackedTensor]:
-    """:func:`actune.quant.quantize` of each tensor of ``xs``, CPU ones in one kernel call
-    per working precision (float64; everything else as float32). ``bits`` and ``zero_code``
+    """:func:`actune.quant.quantize` of each tensor of ``xs``, small CPU ones (under
+    ``SMALL_PACK`` elements) in one kernel call per working precision (float64; everything
+    else as float32), the others in a call each. ``bits`` and ``zero_code``
     are one value for all or one per tensor; dtypes, shapes and layouts may differ. Each
     result dequantizes (with :func:`dequantize` or :func:`dequantize_many`) to its own
-    tensor's shape, dtype and strides."""
+    tensor's shape, dtype and strides. With ``seed``, the call whose first tensor is
+    ``xs[i]`` uses ``seed + i``: a large tensor packed alone, say at index 0, gets the bytes of
+    ``quantize(xs[0], bits, seed=seed)``."""
     n = len(xs)
     widths = _per_tensor(bits, n, "bits")
     zeros = _per_tensor(zero_code, n, "zero_code")
@@ -64,19 +74,31 @@ def quantize_many(xs: Sequence[torch.Tensor], bits: int | Sequence[int], *,
     out: list[PackedTensor | None] = [None] * n
     batches: dict[torch.dtype, list[int]] = {}
     for i, x in enumerate(xs):
-        if _batchable(x):
+        if _batchable(x, x.numel(), SMALL_PACK):
             batches.setdefault(_work_dtype(x.dtype), []).append(i)
-        else:  # its own seed: the stream of one call is not shared across calls
-            own = None if seed is None else (seed + 1 + i) % 2**62
-            out[i] = quantize(x, widths[i], group_size=group_size, seed=own,
+        else:
+            out[i] = quantize(x, widths[i], group_size=group_size, seed=_seed(seed, i),
                               stochastic=stochastic, zero_code=zeros[i])
     for work, idx in batches.items():
+        if len(idx) == 1:  # nothing to share a call with
+            i = idx[0]
+            out[i] = quantize(xs[i], widths[i], group_size=group_size, seed=_seed(seed, i),
+                              stochastic=stochastic, zero_code=zeros[i])
+            continue
+        seed_of_call = _seed(seed, idx[0])
         for i, p in zip(idx, _pack_batch([xs[i] for i in idx], [widths[i] for i in idx],
                                          [zeros[i] for i in idx], work, group_size,
-                                         _draw_seed() if seed is None else seed, stochastic),
+                                         _draw_seed() if seed_of_call is None else seed_of_call,
+                                         stochastic),
                         strict=True):
             out[i] = p
     return out
+
+
+def _seed(seed: int | None, first: int) -> int | None:
+    """The seed of the call whose first tensor is ``xs[first]``: calls draw distinct
+    streams."""
+    return None if seed is None else (seed + first) % 2**62
 
 
 def _pack_batch(xs: list[torch.Tensor], widths: list[int], zeros: list[bool],
@@ -99,17 +121,21 @@ def _pack_batch(xs: list[torch.Tensor], widths: list[int], zeros: list[bool],
 
 
 def dequantize_many(ps: Sequence[PackedTensor]) -> list[torch.Tensor]:
-    """:func:`actune.quant.dequantize` of each packed tensor, CPU ones in one kernel call per
-    group size and working precision. The CPU results are views of one buffer (it is freed
-    when the last of them is)."""
+    """:func:`actune.quant.dequantize` of each packed tensor, small CPU ones (under
+    ``SMALL_UNPACK`` elements) in one kernel call per group size and working precision, the
+    others in a call each. The small ones' results are views of one buffer (freed when the
+    last of them is)."""
     out: list[torch.Tensor | None] = [None] * len(ps)
     batches: dict[tuple[int, torch.dtype], list[int]] = {}
     for i, p in enumerate(ps):
-        if _batchable(p.codes) and p.numel():
+        if _batchable(p.codes, p.numel(), SMALL_UNPACK):
             batches.setdefault((p.group_size, _work_dtype(p.dtype)), []).append(i)
         else:
             out[i] = dequantize(p)
     for (group_size, work), idx in batches.items():
+        if len(idx) == 1:
+            out[idx[0]] = dequantize(ps[idx[0]])
+            continue
         for i, t in zip(idx, _unpack_batch([ps[i] for i in idx], work, group_size),
                         strict=True):
             out[i] = t

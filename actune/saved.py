@@ -25,6 +25,7 @@ from actune.quant import (
     dequantize_samples,
     unpack_mask,
 )
+from actune.quant_batch import dequantize_many
 
 __all__ = [
     "Derived",
@@ -32,6 +33,7 @@ __all__ = [
     "Saved",
     "check_double_backward",
     "feature_major",
+    "get_many",
     "offload_simulated",
     "plain_saving",
     "simulated_offload",
@@ -154,6 +156,24 @@ class Saved:
                 out = dequantize(packed)
             self.unpacked = weakref.ref(out)
         return out
+
+
+def get_many(values: list) -> list[torch.Tensor]:
+    """What backward reads from each of ``values`` (a :class:`Saved`, :class:`Derived` or
+    tensor): :meth:`Saved.get` each, with the small quantized ones that are on their device
+    and not alive elsewhere dequantized in one kernel call
+    (:func:`actune.quant_batch.dequantize_many`)."""
+    check_double_backward()
+    out: list = [v if isinstance(v, torch.Tensor) else None for v in values]
+    together = [i for i, v in enumerate(values) if isinstance(v, Saved) and not v.host
+                and type(v.packed) is PackedTensor
+                and (v.unpacked is None or v.unpacked() is None)]
+    if len(together) > 1:
+        for i, t in zip(together, dequantize_many([values[i].packed for i in together]),
+                        strict=True):
+            values[i].unpacked = weakref.ref(t)
+            out[i] = t
+    return [v.get() if o is None else o for v, o in zip(values, out, strict=True)]
 
 
 def feature_major(t: torch.Tensor) -> torch.Tensor:

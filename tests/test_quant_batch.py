@@ -5,7 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from actune.quant import dequantize, group_steps, quantize
-from actune.quant_batch import dequantize_many, quantize_many
+from actune.quant_batch import SMALL_PACK, dequantize_many, quantize_many
 from actune_kernels import cpu, cpu_segments
 
 
@@ -100,3 +100,18 @@ def test_bad_arguments_name_what_to_fix():
         quantize_many([x, torch.arange(3)], 2)
     with pytest.raises(ValueError, match="zero_code needs at least 2 bits"):
         quantize_many([x], 1, zero_code=True)
+
+
+def test_large_tensors_get_their_own_call_and_a_lone_small_one_is_quantize_itself():
+    g = torch.Generator().manual_seed(4)
+    big = torch.randn(SMALL_PACK, generator=g)
+    small = [torch.randn(100, generator=g), torch.randn(200, generator=g)]
+    ps = quantize_many([big, *small], 2, seed=9)
+    storages = [p.codes.untyped_storage().data_ptr() for p in ps]
+    assert storages[0] not in storages[1:] and storages[1] == storages[2]
+    assert torch.equal(ps[0].codes, quantize(big, 2, seed=9).codes)
+    lone = torch.randn(300, dtype=torch.float64, generator=g)
+    p = quantize_many([lone, big], 4, seed=5)[0]
+    assert torch.equal(p.codes, quantize(lone, 4, seed=5).codes)
+    assert all(torch.equal(y, dequantize(q)) for y, q in zip(dequantize_many(ps), ps,
+                                                                strict=True))

@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune.rules import register
 from actune.rules.activations import compressible
-from actune.saved import Saved, check_double_backward, plain_saving, take
+from actune.saved import check_double_backward, get_many, plain_saving, take
 from actune.substitutes import arg
 
 _LABEL = "scaled_dot_product_attention q/k"
@@ -62,10 +62,14 @@ class RecomputedAttention(torch.autograd.Function):
         out = _sdpa(q, k, v, options)
         session.count(out)  # what PyTorch's backends keep besides q, k and v
         bits = level.nonlinear_bits
-        for name, t in (("q", q), ("k", k)):
-            setattr(ctx, name, session.keep_exact(t, _LABEL) if bits is None
-                    else session.pack_fixed(t, bits, "attention q/k", replaces=(t,)))
-        ctx.v = session.pack_fixed(v, level.sensitive_width, "attention v", replaces=(v,))
+        v_bits = level.sensitive_width
+        if bits is None:
+            ctx.q, ctx.k = (session.keep_exact(t, _LABEL) for t in (q, k))
+            ctx.v = session.pack_fixed(v, v_bits, "attention v", replaces=(v,))
+        else:  # small ones in one kernel call
+            ctx.q, ctx.k, ctx.v = session.pack_fixed_many(
+                [(q, bits, "attention q/k"), (k, bits, "attention q/k"), (v, v_bits,
+                                                                         "attention v")])
         ctx.options = options
         return out
 
@@ -73,17 +77,13 @@ class RecomputedAttention(torch.autograd.Function):
     def backward(ctx, grad):
         check_double_backward()
         needs = ctx.needs_input_grad[:3]
-        inputs = [_value(take(ctx, name)).detach().requires_grad_(need)
-                  for name, need in zip("qkv", needs, strict=True)]
+        inputs = [t.detach().requires_grad_(need) for t, need in
+                  zip(get_many([take(ctx, name) for name in "qkv"]), needs, strict=True)]
         with torch.enable_grad(), _replayed(ctx), plain_saving():
             out = _sdpa(*inputs, ctx.options)
         wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
         found = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         return (*(next(found) if need else None for need in needs), None, None, None)
-
-
-def _value(saved) -> torch.Tensor:
-    return saved.get() if isinstance(saved, Saved) else saved
 
 
 def _rng_state(device: torch.device):

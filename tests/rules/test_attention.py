@@ -136,3 +136,25 @@ def test_v_is_packed_at_the_levels_sensitive_bits(name, bits):
     with actune.compressed(name, stats=st.append):
         F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True)
     assert st[0].by_kind["attention v"] == v.numel() // 256 * (256 * bits // 8 + 4)
+
+
+def test_small_q_k_v_are_packed_and_read_in_one_kernel_call_each_way(monkeypatch):
+    from actune_kernels import cpu, cpu_segments
+
+    calls = []
+    for module, name in ((cpu, "pack"), (cpu, "unpack"), (cpu_segments, "pack_segments"),
+                         (cpu_segments, "unpack_segments")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (
+            calls.append(name), real(*a, **k))[1])
+    inputs = qkv()  # 4,096 elements each: under the shared call's limit
+    fn = attention({"is_causal": True})
+    exact = exact_grads(fn, inputs)
+    got = input_grads(fn, inputs, level(8, nonlinear_bits=8), 1)
+    assert calls == ["pack_segments", "unpack_segments"]
+    for g, e in zip(got, exact, strict=True):
+        assert relative_error(g[0], e[0]) < 0.02
+    calls.clear()
+    big = qkv(seq=128)  # 16,384 elements each: a call each, no shared copy
+    input_grads(fn, big, level(8, nonlinear_bits=8), 1)
+    assert sorted(calls) == ["pack"] * 3 + ["unpack"] * 3
