@@ -33,10 +33,12 @@ class PackedTensor:
 
     ``codes`` holds the packed codes, ``meta`` two 16-bit words per group (see
     ``actune_kernels.layout``); ``shape``, ``dtype`` and ``stride`` describe the original tensor.
+    In an estimate's simulated offload ``meta`` is None and ``codes`` a fake buffer of every
+    byte (one allocation each way instead of two).
     """
 
     codes: torch.Tensor
-    meta: torch.Tensor
+    meta: torch.Tensor | None
     bits: int
     group_size: int
     shape: torch.Size
@@ -47,7 +49,7 @@ class PackedTensor:
     @property
     def nbytes(self) -> int:
         """Every byte held: codes and metadata."""
-        return self.codes.nbytes + self.meta.nbytes
+        return self.codes.nbytes + (0 if self.meta is None else self.meta.nbytes)
 
     @property
     def device(self) -> torch.device:

@@ -250,7 +250,7 @@ def _tensors(p) -> tuple[torch.Tensor, ...]:
         return tuple(t for idx, part in p.parts for t in (idx, *_tensors(part)))
     if isinstance(p, PackedRows):
         return (p.codes, p.meta, p.row_bits, p.row_offset)
-    return (p.codes, p.meta)
+    return (p.codes,) if p.meta is None else (p.codes, p.meta)
 
 
 def _to_device(p, device: torch.device, pin: bool = False, simulate: bool = False):
@@ -267,6 +267,9 @@ def _to_device(p, device: torch.device, pin: bool = False, simulate: bool = Fals
 
     if isinstance(p, torch.Tensor):
         return move(p)
+    if simulate and isinstance(p, PackedTensor):  # only the bytes count: one buffer of all
+        return dataclasses.replace(p, codes=torch.empty(p.nbytes, dtype=torch.uint8,
+                                                        device=device), meta=None)
     if isinstance(p, PackedMask):
         return PackedMask(move(p.bits8), p.shape)
     if isinstance(p, PackedSamples):
