@@ -188,3 +188,32 @@ def test_an_optimizer_step_alone_warms_an_estimate_as_a_training_step_does(optim
              for cheap in (False, True)]
     assert peaks[0] == peaks[1]
     assert peaks[0].optimizer > 0
+
+
+def test_the_estimate_sets_a_default_device_only_where_it_differs():
+    from actune.memory.peak import _default_device
+
+    assert not isinstance(_default_device("cpu"), torch.device)  # cpu is the default already
+    torch.set_default_device("meta")
+    try:
+        assert _default_device("cpu") == torch.device("cpu")
+    finally:
+        torch.set_default_device("cpu")
+
+
+def test_a_simulated_offload_moves_all_of_a_packed_tensors_bytes_as_one_buffer():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from actune.quant import quantize
+    from actune.saved import Saved, simulated_offload
+
+    with FakeTensorMode(), simulated_offload():
+        x = torch.empty(4, 1000)
+        packed = quantize(x, 2)
+        saved = Saved(packed, offload=True)
+        host = saved.packed
+        with torch.no_grad():  # as in backward
+            out = saved.get()
+    assert host.meta is None and host.codes.device.type == "meta"
+    assert host.nbytes == packed.nbytes == 16 * 64 + 16 * 4  # 16 groups: codes, metadata
+    assert (out.shape, out.dtype, out.device.type) == (x.shape, x.dtype, "cpu")
