@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +105,25 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return a.view(np.uint16) if a.dtype == np.int16 else a
 
 
+#: CPU outputs from this size up are mapped fresh by the C library on every call (glibc maps
+#: requests above 32 MiB directly and never reuses them), and faulting them in a 4 KiB page at
+#: a time bound dequantize to clone's speed; in transparent huge pages (where the system
+#: offers them on request) the same output costs a seventh (docs/benchmarks.md).
+HUGE_OUTPUT_BYTES = 32 << 20
+_HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def _empty_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor; from ``HUGE_OUTPUT_BYTES`` up, in its own anonymous
+    mapping advised to use huge pages (freed with the tensor's storage)."""
+    nbytes = numel * dtype.itemsize
+    if nbytes < HUGE_OUTPUT_BYTES or not _HUGE_PAGES:
+        return torch.empty(numel, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype)
+
+
 def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool,
              zero_code: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack a 1-D tensor; ``seed`` < 0 draws one from torch's default generator."""
@@ -148,7 +168,8 @@ def _unpack_impl(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size:
                numel: int, dtype: torch.dtype, zero_code: bool) -> torch.Tensor:
     """Dequantize to a 1-D tensor of ``numel`` elements of ``dtype``."""
     work = dtype if dtype in _KERNEL_DTYPES else torch.float32
-    out = torch.empty(numel, dtype=work, device=codes.device)
+    out = (_empty_cpu(numel, work) if codes.is_cpu
+           else torch.empty(numel, dtype=work, device=codes.device))
     if numel:
         if codes.is_cpu:
             _cpu_kernels().unpack(codes.numpy(), meta.numpy().view(np.uint16), bits, group_size,

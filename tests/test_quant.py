@@ -196,3 +196,20 @@ def test_property_round_trip(shape, dtype, bits, seed):
     assert y.shape == x.shape and y.dtype == dtype
     tol = {torch.float16: 1e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-6)
     assert (y.double() - x.double()).abs().max().item() <= max_step(p) * (1 + tol) + 1e-6
+
+
+def test_large_cpu_outputs_in_their_own_mapping_hold_the_same_values(monkeypatch):
+    import gc
+
+    from actune import quant
+
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3)).t()  # strided
+    p = actune.quantize(x, 2, seed=4)
+    expected = actune.dequantize(p)
+    monkeypatch.setattr(quant, "HUGE_OUTPUT_BYTES", 4096)  # this tensor's 60 KB qualifies
+    got = actune.dequantize(p)
+    gc.collect()  # the mapping lives as long as the tensor's storage, not a Python name
+    assert torch.equal(got, expected) and got.stride() == x.stride()
+    assert got.untyped_storage().data_ptr() % 4096 == 0  # its own mapping, page-aligned
+    (got * 2).sum().item()  # usable as any tensor
+    assert quant._empty_cpu(10, torch.float64).dtype == torch.float64  # small: torch.empty
