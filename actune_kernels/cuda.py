@@ -83,7 +83,75 @@ else:  # products that the compiler may not fuse into a following add (no FMA co
 
 
 def _make_kernels(mul):
-    """The pack and unpack kernels, with ``mul`` the unfused product for their float type."""
+    """The pack and unpack kernels (one tensor, and segments of one array: see
+    :mod:`actune_kernels.cpu_segments`), with ``mul`` the unfused product for their type."""
+
+    @cuda.jit(device=True)
+    def pack_group(x, codes, meta, g, valid, start, end, out0, at, bits, group_size, seed,
+                   stochastic, zero_code, rounds, lane, row, fbuf, ibuf):  # pragma: no cover
+        """One warp packs ``x[start:end]`` (one group; empty where not ``valid``): metadata
+        in ``meta[g]``, codes from byte ``out0``, ``at`` its first element's stream index.
+        ``rounds`` of shuffles assemble each byte (the same in every warp of a block: the
+        simulator's shuffles are barriers)."""
+        t = x.dtype.type
+        per = 8 // bits
+        levels = (1 << bits) - 1
+        u_step = t(INV_2_24)
+        half = t(0.5)
+        first = 1 if zero_code else 0  # zero-code mode: code 0 is an exact zero
+        mn = t(math.inf)
+        mx = t(-math.inf)
+        flag = t(0)
+        for i in range(start + lane, end, WARP):
+            v = x[i]
+            if v > 0 or not zero_code:  # zero-code mode: the smallest positive value
+                mn = min(mn, v)
+            mx = max(mx, v)
+            flag += v - v  # NaN for NaN and inf
+        for m in (16, 8, 4, 2, 1):
+            mn = min(mn, _xor(mn, m, fbuf, row, lane))
+            mx = max(mx, _xor(mx, m, fbuf, row, lane))
+            flag += _xor(flag, m, fbuf, row, lane)
+        lo_word, scale_word, lo64, scale64 = _group_meta(
+            math.nan if flag != 0 else float(mn), float(mx), float(levels - first),
+            zero_code)
+        if lane == 0 and valid:
+            meta[g, 0] = lo_word
+            meta[g, 1] = scale_word
+        finite = lo_word != layout.NAN16
+        lo = t(lo64)
+        scale = t(scale64)
+        inv = t(1) / scale if scale > 0 else scale
+        low0 = np.uint32(at & MASK32)  # the stream index of the group's first element
+        key0 = np.uint32(_stream_key(seed, at >> 32))
+        key1 = np.uint32(_stream_key(seed, (at >> 32) + 1))  # past a 2**32 boundary
+        for row0 in range(0, group_size, WARP):
+            o = row0 + lane
+            i = start + o
+            code = 0
+            if i < end and finite:
+                xi = x[i]
+                v = mul(xi - lo, inv)
+                fl = int(math.floor(v))  # noqa: RUF046 - a float on CUDA
+                frac = v - fl
+                if stochastic:
+                    idx = _add32(low0, o)
+                    key = key1 if idx < low0 else key0
+                    up = t(_random24(key, idx)) * u_step < frac
+                else:
+                    up = frac >= half
+                code = min(max(fl + first + (1 if up else 0), first), levels)
+                if zero_code and not xi > 0:
+                    code = 0
+            word = np.int32(code << ((lane % per) * bits))
+            m = 1
+            for _ in range(rounds):  # the byte's lanes OR their codes together
+                other = np.int32(_xor(word, m, ibuf, row, lane))
+                if m < per:
+                    word = np.int32(word | other)
+                m *= 2
+            if lane % per == 0 and o < group_size and valid:
+                codes[out0 + o // per] = word
 
     @cuda.jit
     def pack_kernel(x, codes, meta, bits, group_size, seed, base, stochastic,
@@ -93,103 +161,108 @@ def _make_kernels(mul):
         # (the simulator's shuffles; compiled kernels never touch these)
         fbuf = cuda.shared.array((WARPS_PER_BLOCK, WARP), float64)
         ibuf = cuda.shared.array((WARPS_PER_BLOCK, WARP), int64)
-        t = x.dtype.type
         n = x.size
         groups = meta.shape[0]
-        per = 8 // bits
-        levels = (1 << bits) - 1
         group_bytes = group_size * bits // 8
-        u_step = t(INV_2_24)
-        half = t(0.5)
-        first = 1 if zero_code else 0  # zero-code mode: code 0 is an exact zero
+        rounds = 3 if bits == 1 else 2 if bits == 2 else 1 if bits == 4 else 0
         # every warp of a block makes the same number of turns (the simulator's barriers)
         for block in range(cuda.blockIdx.x, -(-groups // WARPS_PER_BLOCK), cuda.gridDim.x):
             g = block * WARPS_PER_BLOCK + row
             start = g * group_size
             end = min(start + group_size, n)  # empty past the last group
-            mn = t(math.inf)
-            mx = t(-math.inf)
-            flag = t(0)
-            for i in range(start + lane, end, WARP):
-                v = x[i]
-                if v > 0 or not zero_code:  # zero-code mode: the smallest positive value
-                    mn = min(mn, v)
-                mx = max(mx, v)
-                flag += v - v  # NaN for NaN and inf
-            for m in (16, 8, 4, 2, 1):
-                mn = min(mn, _xor(mn, m, fbuf, row, lane))
-                mx = max(mx, _xor(mx, m, fbuf, row, lane))
-                flag += _xor(flag, m, fbuf, row, lane)
-            lo_word, scale_word, lo64, scale64 = _group_meta(
-                math.nan if flag != 0 else float(mn), float(mx), float(levels - first),
-                zero_code)
-            if lane == 0 and g < groups:
-                meta[g, 0] = lo_word
-                meta[g, 1] = scale_word
-            finite = lo_word != layout.NAN16
-            lo = t(lo64)
-            scale = t(scale64)
-            inv = t(1) / scale if scale > 0 else scale
-            at = base + start
-            low0 = np.uint32(at & MASK32)  # the stream index of the group's first element
-            key0 = np.uint32(_stream_key(seed, at >> 32))
-            key1 = np.uint32(_stream_key(seed, (at >> 32) + 1))  # past a 2**32 boundary
-            out0 = g * group_bytes
-            for row0 in range(0, group_size, WARP):
-                o = row0 + lane
-                i = start + o
-                code = 0
-                if i < end and finite:
-                    xi = x[i]
-                    v = mul(xi - lo, inv)
-                    fl = int(math.floor(v))  # noqa: RUF046 - a float on CUDA
-                    frac = v - fl
-                    if stochastic:
-                        idx = _add32(low0, o)
-                        key = key1 if idx < low0 else key0
-                        up = t(_random24(key, idx)) * u_step < frac
-                    else:
-                        up = frac >= half
-                    code = min(max(fl + first + (1 if up else 0), first), levels)
-                    if zero_code and not xi > 0:
-                        code = 0
-                word = np.int32(code << ((lane % per) * bits))
-                m = 1
-                while m < per:  # the byte's lanes OR their codes together
-                    word = np.int32(word | _xor(word, m, ibuf, row, lane))
-                    m *= 2
-                if lane % per == 0 and o < group_size and g < groups:
-                    codes[out0 + o // per] = word
+            pack_group(x, codes, meta, g, g < groups, start, end, g * group_bytes,
+                       base + start, bits, group_size, seed, stochastic, zero_code, rounds,
+                       lane, row, fbuf, ibuf)
+
+    @cuda.jit
+    def pack_segments_kernel(x, codes, meta, seg_start, seg_group, seg_codes, seg_bits,
+                             seg_zero, group_size, seed, stochastic):  # pragma: no cover
+        lane = cuda.threadIdx.x
+        row = cuda.threadIdx.y
+        fbuf = cuda.shared.array((WARPS_PER_BLOCK, WARP), float64)
+        ibuf = cuda.shared.array((WARPS_PER_BLOCK, WARP), int64)
+        groups = meta.shape[0]
+        for block in range(cuda.blockIdx.x, -(-groups // WARPS_PER_BLOCK), cuda.gridDim.x):
+            g = block * WARPS_PER_BLOCK + row
+            valid = g < groups
+            s = _segment_of(seg_group, min(g, groups - 1))
+            bits = seg_bits[s]
+            local = g - seg_group[s]
+            start = seg_start[s] + local * group_size
+            end = min(start + group_size, seg_start[s + 1]) if valid else start
+            # the widths of a block's warps differ: three rounds of byte assembly in each
+            pack_group(x, codes, meta, g, valid, start, end,
+                       seg_codes[s] + local * (group_size * bits // 8), start, bits,
+                       group_size, seed, stochastic, seg_zero[s] != 0, 3, lane, row, fbuf,
+                       ibuf)
+
+    @cuda.jit(device=True)
+    def unpack_group(codes, lo64, scale64, y, start, end, at, bits, group_size, zero_code,
+                     lane):  # pragma: no cover - compiled
+        t = y.dtype.type
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        lo = t(lo64)
+        scale = t(scale64)
+        for row0 in range(0, group_size, WARP):
+            o = row0 + lane
+            i = start + o
+            if o < group_size and i < end:
+                q = (codes[at + o // per] >> ((o % per) * bits)) & mask
+                if zero_code:
+                    y[i] = lo + mul(t(q - 1), scale) if q else t(0)
+                else:
+                    y[i] = lo + mul(t(q), scale)
 
     @cuda.jit
     def unpack_kernel(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover
         lane = cuda.threadIdx.x
         row = cuda.threadIdx.y
-        t = y.dtype.type
         n = y.size
         groups = meta.shape[0]
-        per = 8 // bits
-        mask = (1 << bits) - 1
         group_bytes = group_size * bits // 8
         for block in range(cuda.blockIdx.x, -(-groups // WARPS_PER_BLOCK), cuda.gridDim.x):
             g = block * WARPS_PER_BLOCK + row
             if g >= groups:
                 continue
             lo64, scale64 = _meta_values(meta[g, 0], meta[g, 1])
-            lo = t(lo64)
-            scale = t(scale64)
-            start = g * group_size
-            for row0 in range(0, group_size, WARP):
-                o = row0 + lane
-                i = start + o
-                if o < group_size and i < n:
-                    q = (codes[g * group_bytes + o // per] >> ((o % per) * bits)) & mask
-                    if zero_code:
-                        y[i] = lo + mul(t(q - 1), scale) if q else t(0)
-                    else:
-                        y[i] = lo + mul(t(q), scale)
+            unpack_group(codes, lo64, scale64, y, g * group_size, n, g * group_bytes, bits,
+                         group_size, zero_code, lane)
 
-    return pack_kernel, unpack_kernel
+    @cuda.jit
+    def unpack_segments_kernel(codes, meta, seg_start, seg_group, seg_codes, seg_bits,
+                               seg_zero, group_size, y):  # pragma: no cover - compiled
+        lane = cuda.threadIdx.x
+        row = cuda.threadIdx.y
+        groups = meta.shape[0]
+        for block in range(cuda.blockIdx.x, -(-groups // WARPS_PER_BLOCK), cuda.gridDim.x):
+            g = block * WARPS_PER_BLOCK + row
+            if g >= groups:
+                continue
+            s = _segment_of(seg_group, g)
+            bits = seg_bits[s]
+            local = g - seg_group[s]
+            lo64, scale64 = _meta_values(meta[g, 0], meta[g, 1])
+            unpack_group(codes, lo64, scale64, y, seg_start[s] + local * group_size,
+                         seg_start[s + 1], seg_codes[s] + local * (group_size * bits // 8),
+                         bits, group_size, seg_zero[s] != 0, lane)
+
+    return pack_kernel, unpack_kernel, pack_segments_kernel, unpack_segments_kernel
+
+
+@cuda.jit(device=True)
+def _segment_of(seg_group, g):  # pragma: no cover - compiled
+    """The segment holding group ``g``: the last ``s`` with ``seg_group[s] <= g`` (empty
+    segments own no group)."""
+    lo = 0
+    hi = seg_group.size - 1  # seg_group ends with the number of groups
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if seg_group[mid] <= g:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 _KERNELS = {"float32": _make_kernels(_MUL32), "float64": _make_kernels(_MUL64)}
@@ -225,13 +298,39 @@ def unpack(codes, meta, bits: int, group_size: int, out, zero_code: bool = False
         launch(codes, meta, bits, group_size, zero_code, out)
 
 
+def pack_segments(x, codes, meta, seg_start, seg_group, seg_codes, seg_bits, seg_zero,
+                  group_size: int, seed: int, stochastic: bool = True, stream=0) -> None:
+    """Pack the segments of device array ``x`` in one launch: the arguments of
+    :func:`actune_kernels.cpu_segments.pack_segments` (the widths and zero-code flags as
+    int64 device arrays here), the same bytes."""
+    groups = meta.shape[0]
+    if groups:
+        launch = _configured(2, str(x.dtype), grid(groups)[0], stream)
+        launch(x, codes, meta, seg_start, seg_group, seg_codes, seg_bits, seg_zero, group_size,
+               seed, stochastic)
+
+
+def unpack_segments(codes, meta, seg_start, seg_group, seg_codes, seg_bits, seg_zero,
+                    group_size: int, out, stream=0) -> None:
+    """Fill device array ``out`` from what :func:`pack_segments` wrote, in one launch."""
+    groups = meta.shape[0]
+    if groups:
+        launch = _configured(3, str(out.dtype), grid(groups)[0], stream)
+        launch(codes, meta, seg_start, seg_group, seg_codes, seg_bits, seg_zero, group_size,
+               out)
+
+
 PACK_SIGNATURE = ("void({0}[::1], uint8[::1], uint16[:, ::1], int64, int64, int64, int64, "
                   "boolean, boolean)")
 UNPACK_SIGNATURE = "void(uint8[::1], uint16[:, ::1], int64, int64, boolean, {0}[::1])"
+_TABLE = "int64[::1], int64[::1], int64[::1], int64[::1], int64[::1]"
+PACK_SEGMENTS_SIGNATURE = ("void({0}[::1], uint8[::1], uint16[:, ::1], " + _TABLE
+                           + ", int64, int64, boolean)")
+UNPACK_SEGMENTS_SIGNATURE = "void(uint8[::1], uint16[:, ::1], " + _TABLE + ", int64, {0}[::1])"
 
 
 def compile_ptx(cc: tuple[int, int] = (9, 0), dtype: str = "float32") -> dict[str, str]:
-    """PTX of both kernels for ``dtype`` input at compute capability ``cc``.
+    """PTX of the four kernels for ``dtype`` input at compute capability ``cc``.
 
     Needs NVRTC/NVVM (the ``numba-cuda[cu13]`` wheels) but no GPU: the proof on a machine
     without one that the kernels compile. numba-cuda asks the current device for its compute
@@ -240,11 +339,10 @@ def compile_ptx(cc: tuple[int, int] = (9, 0), dtype: str = "float32") -> dict[st
     from numba.cuda import dispatcher
 
     device = SimpleNamespace(compute_capability=cc)
-    pack_kernel, unpack_kernel = _KERNELS[dtype]
+    signatures = (PACK_SIGNATURE, UNPACK_SIGNATURE, PACK_SEGMENTS_SIGNATURE,
+                  UNPACK_SEGMENTS_SIGNATURE)
+    names = ("pack", "unpack", "pack_segments", "unpack_segments")
     with mock.patch.object(dispatcher, "get_current_device", return_value=device):
-        return {
-            "pack": cuda.compile_ptx(pack_kernel.py_func, PACK_SIGNATURE.format(dtype),
-                                     cc=cc)[0],
-            "unpack": cuda.compile_ptx(unpack_kernel.py_func, UNPACK_SIGNATURE.format(dtype),
-                                       cc=cc)[0],
-        }
+        return {name: cuda.compile_ptx(kernel.py_func, signature.format(dtype), cc=cc)[0]
+                for name, kernel, signature in zip(names, _KERNELS[dtype], signatures,
+                                                   strict=True)}

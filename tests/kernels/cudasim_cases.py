@@ -32,8 +32,51 @@ ONE_BLOCK = [(2, np.float32, 700, 64, True, 2**32 - 300, False),
              (1, np.float32, 300, 16, False, 0, False)]
 
 
+#: Several tensors in one launch: (group size, [(numel, bits, zero_code), ...]); blocks mix
+#: widths, one segment is empty, the second case runs in one block (warps loop).
+SEGMENT_CASES = [
+    (64, [(200, 2, False), (0, 8, False), (70, 1, False), (300, 4, True), (5, 8, False)]),
+    (32, [(100, 8, True), (33, 2, False), (64, 1, False)]),
+]
+
+
+def segments_same(rng, group_size, specs, one_block) -> bool:
+    from actune_kernels import cpu_segments
+
+    kernels.MAX_BLOCKS = 1 if one_block else 8192
+    parts = []
+    for n, _, zero in specs:
+        x = (rng.standard_normal(n) * 3).astype(np.float32)
+        parts.append(np.maximum(x, 0) if zero else x)
+    x = np.concatenate(parts)
+    widths = [b for _, b, _ in specs]
+    start, group, codes_at = cpu_segments.segments([n for n, _, _ in specs], widths, group_size)
+    table = [start, group, codes_at, np.array(widths, np.int64),
+             np.array([int(z) for _, _, z in specs], np.int64)]
+    codes = np.full(int(codes_at[-1]), 0xAA, np.uint8)
+    meta = np.full((int(group[-1]), 2), 0xAAAA, np.uint16)
+    kernels.pack_segments(x, codes, meta, *table, group_size, 13)
+    y = np.full(x.size, 7, np.float32)
+    kernels.unpack_segments(codes, meta, *table, group_size, y)
+    for k, (_, b, z) in enumerate(specs):
+        seg = x[start[k]:start[k + 1]]
+        c_ref, m_ref = ref.pack(seg, b, group_size, 13, True, int(start[k]), z)
+        y_ref = ref.unpack(c_ref, m_ref, b, seg.size, group_size, np.float32, z)
+        if not (np.array_equal(codes[codes_at[k]:codes_at[k + 1]], c_ref)
+                and np.array_equal(meta[group[k]:group[k + 1]], m_ref)
+                and np.array_equal(y[start[k]:start[k + 1]].view(np.uint8),
+                                   y_ref.view(np.uint8))):
+            return False
+    return True
+
+
 def main() -> int:
     rng = np.random.default_rng(0)
+    for i, (group_size, specs) in enumerate(SEGMENT_CASES):
+        same = segments_same(rng, group_size, specs, one_block=i == 1)
+        print(f"segments group={group_size} {specs} one_block={i == 1} same={same}")
+        if not same:
+            return 1
     for case in CASES + ONE_BLOCK:
         bits, dtype, n, gs, stochastic, base, zero_code = case
         kernels.MAX_BLOCKS = 1 if case in ONE_BLOCK else 8192

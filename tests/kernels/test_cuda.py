@@ -19,8 +19,9 @@ def test_cuda_kernels_match_reference_in_simulator():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 13 and all(line.endswith("same=True") for line in lines)
+    assert len(lines) == 15 and all(line.endswith("same=True") for line in lines)
     assert sum(" blocks=1 " in line for line in lines) >= 3  # warps looping over groups
+    assert sum(line.startswith("segments ") for line in lines) == 2  # several in one launch
 
 
 def test_random_stream_in_32_bit_arithmetic_gives_the_same_bits():
@@ -45,17 +46,18 @@ def ptx(request):
     return request.param, kernels.compile_ptx(request.param)
 
 
-@pytest.mark.parametrize("name", ["pack", "unpack"])
+@pytest.mark.parametrize("name", ["pack", "unpack", "pack_segments", "unpack_segments"])
 def test_kernels_compile_to_ptx(ptx, name):
     (major, minor), code = ptx
     assert f".target sm_{major}{minor}" in code[name]
     assert ".entry" in code[name]
 
 
-def test_pack_reduces_with_warp_shuffles(ptx):
+@pytest.mark.parametrize("name", ["pack", "pack_segments"])
+def test_pack_reduces_with_warp_shuffles(ptx, name):
     """Min, max and the bytes' codes are combined in registers (butterfly shuffles), not
     through shared memory and barriers."""
-    code = ptx[1]["pack"]
+    code = ptx[1][name]
     assert code.count("shfl.sync.bfly") >= 15  # 5 rounds each for min, max and the flag
     assert "bar.sync" not in code
 
@@ -65,7 +67,7 @@ def test_float64_kernels_compile(ptx):
     assert "shfl.sync.bfly" in code["pack"] and ".entry" in code["unpack"]
 
 
-@pytest.mark.parametrize("name", ["pack", "unpack"])
+@pytest.mark.parametrize("name", ["pack", "unpack", "pack_segments", "unpack_segments"])
 def test_no_fused_multiply_add_so_bytes_match_the_cpu(ptx, name):
     # A contracted a*b+c rounds once instead of twice: float32 results would differ from the
     # CPU's. (float64 FMAs may appear in the metadata arithmetic, whose products are exact.)
