@@ -1,23 +1,26 @@
 """quantize_many() / dequantize_many(): several tensors through one kernel call.
 
-On the CPU a kernel call has a fixed cost (the call, argument checks, the thread pool) that
-dominates for small tensors. Here the small tensors of one call are copied into one flat
-buffer (float64 ones into their own) and packed as segments of it
-(:mod:`actune_kernels.cpu_segments`): each keeps its own bits and zero-code flag, and its
-bytes are those :func:`actune.quant.quantize` gives it alone, at its own place in one random
-stream. The packed tensors are views of one codes and one metadata buffer. Other tensors
-(CUDA, fake, traced) go one by one through :func:`quantize`.
+A kernel call has a fixed cost (on the CPU the call, argument checks and the thread pool; on
+CUDA numba's launch) that dominates for small tensors. Here the small tensors of one call are
+copied into one flat buffer per device and precision (float64 apart) and packed as segments
+of it (:mod:`actune_kernels.cpu_segments`; ``pack_segments`` in
+:mod:`actune_kernels.cuda`): each keeps its own bits and zero-code flag, and its bytes are
+those :func:`actune.quant.quantize` gives it alone, at its own place in one random stream.
+The packed tensors are views of one codes and one metadata buffer. Fake and traced tensors go
+one by one through :func:`quantize`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import numpy as np
 import torch
 
 from actune.quant import (
     PackedTensor,
+    _cuda_launch,
     _draw_seed,
     _numpy,
     _plain,
@@ -51,18 +54,36 @@ SMALL_UNPACK = 16384
 
 
 def _batchable(t: torch.Tensor, numel: int, small: int) -> bool:
-    return 0 < numel < small and t.is_cpu and _plain(t)
+    return 0 < numel < small and _plain(t) and (t.is_cpu or t.device.type == "cuda")
+
+
+def segment_table(numels: list[int], widths: list[int], zeros: list[bool],
+                  group_size: int) -> np.ndarray:
+    """The segment kernels' offsets and flags, int64 ``[5, segments + 1]``: where each
+    segment's elements, groups and bytes begin (the totals last), its width, its zero-code
+    flag."""
+    groups = [-(-n // group_size) for n in numels]
+    nbytes = [g * (group_size * b // 8) for g, b in zip(groups, widths, strict=True)]
+    return np.array([[0, *accumulate(numels)], [0, *accumulate(groups)],
+                     [0, *accumulate(nbytes)], [*widths, 0], [*map(int, zeros), 0]], np.int64)
+
+
+def _on_device(table: np.ndarray, device: torch.device) -> list[torch.Tensor]:
+    """``table``'s rows on a CUDA ``device``, sent from pinned memory without waiting (no
+    host-device synchronisation)."""
+    rows = torch.from_numpy(table).pin_memory().to(device, non_blocking=True)
+    return list(rows)
 
 
 def quantize_many(xs: Sequence[torch.Tensor], bits: int | Sequence[int], *,
                   group_size: int = layout.DEFAULT_GROUP_SIZE, seed: int | None = None,
                   stochastic: bool = True,
                   zero_code: bool | Sequence[bool] = False) -> list[PackedTensor]:
-    """:func:`actune.quant.quantize` of each tensor of ``xs``, small CPU ones (under
-    ``SMALL_PACK`` elements) in one kernel call per working precision (float64; everything
-    else as float32), the others in a call each. ``bits`` and ``zero_code``
-    are one value for all or one per tensor; dtypes, shapes and layouts may differ. Each
-    result dequantizes (with :func:`dequantize` or :func:`dequantize_many`) to its own
+    """:func:`actune.quant.quantize` of each tensor of ``xs``, small CPU and CUDA ones (under
+    ``SMALL_PACK`` elements) in one kernel call per device and working precision (float64;
+    everything else as float32), the others in a call each. ``bits`` and ``zero_code`` are
+    one value for all or one per tensor; dtypes, shapes and layouts may differ. Each result
+    dequantizes (with :func:`dequantize` or :func:`dequantize_many`) to its own
     tensor's shape, dtype and strides. With ``seed``, the call whose first tensor is
     ``xs[i]`` uses ``seed + i``: a large tensor packed alone, say at index 0, gets the bytes of
     ``quantize(xs[0], bits, seed=seed)``."""
@@ -72,14 +93,14 @@ def quantize_many(xs: Sequence[torch.Tensor], bits: int | Sequence[int], *,
     for x, b, z in zip(xs, widths, zeros, strict=True):
         check_arguments(x, b, group_size, seed, z)
     out: list[PackedTensor | None] = [None] * n
-    batches: dict[torch.dtype, list[int]] = {}
+    batches: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, x in enumerate(xs):
         if _batchable(x, x.numel(), SMALL_PACK):
-            batches.setdefault(_work_dtype(x.dtype), []).append(i)
+            batches.setdefault((x.device, _work_dtype(x.dtype)), []).append(i)
         else:
             out[i] = quantize(x, widths[i], group_size=group_size, seed=_seed(seed, i),
                               stochastic=stochastic, zero_code=zeros[i])
-    for work, idx in batches.items():
+    for (_, work), idx in batches.items():
         if len(idx) == 1:  # nothing to share a call with
             i = idx[0]
             out[i] = quantize(xs[i], widths[i], group_size=group_size, seed=_seed(seed, i),
@@ -104,35 +125,45 @@ def _seed(seed: int | None, first: int) -> int | None:
 def _pack_batch(xs: list[torch.Tensor], widths: list[int], zeros: list[bool],
                 work: torch.dtype, group_size: int, seed: int,
                 stochastic: bool) -> list[PackedTensor]:
-    from actune_kernels import cpu_segments
-
     flats, strides = zip(*(memory_order(x) for x in xs), strict=True)
+    device = xs[0].device
     flat = torch.cat([f if f.dtype == work else f.to(work) for f in flats])
-    start, group, codes_at = cpu_segments.segments([f.numel() for f in flats], widths,
-                                                   group_size)
-    codes = torch.empty(int(codes_at[-1]), dtype=torch.uint8)
-    meta = torch.empty((int(group[-1]), 2), dtype=torch.int16)
-    cpu_segments.pack_segments(flat.numpy(), codes.numpy(), _numpy(meta), start, group,
-                               codes_at, np.array(widths, np.uint8), np.array(zeros, np.bool_),
-                               group_size, seed, stochastic)
+    table = segment_table([f.numel() for f in flats], widths, zeros, group_size)
+    group, codes_at = table[1].tolist(), table[2].tolist()
+    codes = torch.empty(codes_at[-1], dtype=torch.uint8, device=device)
+    meta = torch.empty((group[-1], 2), dtype=torch.int16, device=device)
+    if device.type == "cpu":
+        from actune_kernels import cpu_segments
+
+        cpu_segments.pack_segments(flat.numpy(), codes.numpy(), _numpy(meta), *table[:3],
+                                   table[3].astype(np.uint8)[:-1],
+                                   table[4].astype(np.bool_)[:-1], group_size, seed,
+                                   stochastic)
+    else:
+        from actune_kernels import cuda as kernels
+
+        _cuda_launch(lambda x, c, m, *rows, stream: kernels.pack_segments(
+            x, c, m, *rows, group_size, seed, stochastic, stream=stream),
+            flat, codes, meta, *_on_device(table, device))
     return [PackedTensor(codes[codes_at[k]:codes_at[k + 1]], meta[group[k]:group[k + 1]],
                          widths[k], group_size, x.shape, x.dtype, strides[k], zeros[k])
             for k, x in enumerate(xs)]
 
 
 def dequantize_many(ps: Sequence[PackedTensor]) -> list[torch.Tensor]:
-    """:func:`actune.quant.dequantize` of each packed tensor, small CPU ones (under
-    ``SMALL_UNPACK`` elements) in one kernel call per group size and working precision, the
+    """:func:`actune.quant.dequantize` of each packed tensor, small CPU and CUDA ones (under
+    ``SMALL_UNPACK`` elements) in one kernel call per device, group size and precision, the
     others in a call each. The small ones' results are views of one buffer (freed when the
     last of them is)."""
     out: list[torch.Tensor | None] = [None] * len(ps)
-    batches: dict[tuple[int, torch.dtype], list[int]] = {}
+    batches: dict[tuple[torch.device, int, torch.dtype], list[int]] = {}
     for i, p in enumerate(ps):
         if _batchable(p.codes, p.numel(), SMALL_UNPACK):
-            batches.setdefault((p.group_size, _work_dtype(p.dtype)), []).append(i)
+            batches.setdefault((p.codes.device, p.group_size, _work_dtype(p.dtype)),
+                               []).append(i)
         else:
             out[i] = dequantize(p)
-    for (group_size, work), idx in batches.items():
+    for (_, group_size, work), idx in batches.items():
         if len(idx) == 1:
             out[idx[0]] = dequantize(ps[idx[0]])
             continue
@@ -144,17 +175,27 @@ def dequantize_many(ps: Sequence[PackedTensor]) -> list[torch.Tensor]:
 
 def _unpack_batch(ps: list[PackedTensor], work: torch.dtype,
                   group_size: int) -> list[torch.Tensor]:
-    from actune_kernels import cpu_segments
-
     widths = [p.bits for p in ps]
-    start, group, codes_at = cpu_segments.segments([p.numel() for p in ps], widths, group_size)
-    codes = torch.cat([p.codes for p in ps]) if len(ps) > 1 else ps[0].codes
-    meta = torch.cat([p.meta for p in ps]) if len(ps) > 1 else ps[0].meta
-    flat = torch.empty(int(start[-1]), dtype=work)
-    cpu_segments.unpack_segments(codes.numpy(), _numpy(meta), start, group, codes_at,
-                                 np.array(widths, np.uint8),
-                                 np.array([p.zero_code for p in ps], np.bool_), group_size,
-                                 flat.numpy())
+    zeros = [p.zero_code for p in ps]
+    numels = [p.numel() for p in ps]
+    device = ps[0].codes.device
+    table = segment_table(numels, widths, zeros, group_size)
+    start = table[0].tolist()
+    codes = torch.cat([p.codes for p in ps])
+    meta = torch.cat([p.meta for p in ps])
+    flat = torch.empty(start[-1], dtype=work, device=device)
+    if device.type == "cpu":
+        from actune_kernels import cpu_segments
+
+        cpu_segments.unpack_segments(codes.numpy(), _numpy(meta), *table[:3],
+                                     table[3].astype(np.uint8)[:-1],
+                                     table[4].astype(np.bool_)[:-1], group_size, flat.numpy())
+    else:
+        from actune_kernels import cuda as kernels
+
+        _cuda_launch(lambda c, m, *rest, stream: kernels.unpack_segments(
+            c, m, *rest[:5], group_size, rest[5], stream=stream),
+            codes, meta, *_on_device(table, device), flat)
     out = []
     for k, p in enumerate(ps):
         t = flat[start[k]:start[k + 1]].as_strided(p.shape, p.stride)

@@ -4,7 +4,8 @@
 
 Part of scripts/gpu_check.sh. Every bit width, float32 and float64, a size that is a whole
 number of groups and one that is not, all four kernel options; the bytes and metadata must be
-identical to the CPU kernels'. Then pack and unpack through actune.quantize / dequantize
+identical to the CPU kernels'; several small tensors in one launch (quantize_many) identical
+to the CPU's one call. Then pack and unpack through actune.quantize / dequantize
 against torch clone of the same tensor (a bandwidth ceiling). With NUMBA_ENABLE_CUDASIM=1
 (and --numel small, --no-speed) the comparison runs in numba-cuda's simulator.
 """
@@ -55,6 +56,28 @@ def compare(numel: int) -> bool:
     return ok
 
 
+def compare_many() -> bool:
+    """quantize_many / dequantize_many of small tensors (mixed dtypes, widths, zero codes) in
+    one launch on the GPU: the same bytes and values as the CPU's one call."""
+    import torch
+
+    import actune
+
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(n, generator=g) for n in (1000, 300, 4096, 1)]
+    xs[1] = xs[1].relu().bfloat16()
+    widths, zeros = [2, 4, 8, 1], [False, True, False, False]
+    on_cpu = actune.quantize_many(xs, widths, seed=7, zero_code=zeros)
+    on_gpu = actune.quantize_many([x.cuda() for x in xs], widths, seed=7, zero_code=zeros)
+    same = all(torch.equal(a.codes, b.codes.cpu()) and torch.equal(a.meta, b.meta.cpu())
+               for a, b in zip(on_cpu, on_gpu, strict=True))
+    same &= all(torch.equal(a, b.cpu()) for a, b in zip(
+        actune.dequantize_many(on_cpu), actune.dequantize_many(on_gpu), strict=True))
+    print(f"quantize_many / dequantize_many, 4 tensors in one launch: "
+          f"{'identical to the CPU' if same else 'DIFFERENT from the CPU'}")
+    return same
+
+
 def speed(numel: int) -> None:
     """Elements per second of pack and unpack relative to torch clone, on the GPU."""
     import torch
@@ -81,6 +104,18 @@ def speed(numel: int) -> None:
     host = (time.perf_counter() - t) / 2000
     torch.cuda.synchronize()
     print(f"host time per launch: quantize of 4,096 elements {host * 1e6:.1f} us a call")
+    smalls = [torch.randn(1024 * 2 ** (i % 4), device="cuda") for i in range(25)]
+    for fn in ("one", "many"):
+        t = time.perf_counter()
+        for _ in range(200):
+            if fn == "one":
+                [actune.dequantize(p) for p in [actune.quantize(y, 2) for y in smalls]]
+            else:
+                actune.dequantize_many(actune.quantize_many(smalls, 2))
+        torch.cuda.synchronize()
+        print(f"25 tensors of 1,024-8,192 elements packed and unpacked, "
+              f"{'one launch a tensor' if fn == 'one' else 'one launch for all'}: "
+              f"{(time.perf_counter() - t) / 200 * 1e6:.0f} us")
     clone = rate(lambda: x.clone())
     print(f"torch clone: {clone / 1e9:.1f} Gelem/s ({numel:,} float32)")
     for bits in (1, 2, 4, 8):
@@ -97,6 +132,8 @@ def main() -> int:
     ap.add_argument("--no-speed", action="store_true")
     args = ap.parse_args()
     ok = compare(args.numel)
+    if not args.no_speed:  # (torch on a real GPU; the simulator runs the kernels alone)
+        ok &= compare_many()
     print("all identical" if ok else "SOME DIFFER")
     if not args.no_speed:
         speed(64 << 20)
