@@ -13,7 +13,6 @@ one by one through :func:`quantize`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
 
 import numpy as np
 import torch
@@ -57,22 +56,18 @@ def _batchable(t: torch.Tensor, numel: int, small: int) -> bool:
     return 0 < numel < small and _plain(t) and (t.is_cpu or t.device.type == "cuda")
 
 
-def segment_table(numels: list[int], widths: list[int], zeros: list[bool],
-                  group_size: int) -> np.ndarray:
-    """The segment kernels' offsets and flags, int64 ``[5, segments + 1]``: where each
-    segment's elements, groups and bytes begin (the totals last), its width, its zero-code
-    flag."""
-    groups = [-(-n // group_size) for n in numels]
-    nbytes = [g * (group_size * b // 8) for g, b in zip(groups, widths, strict=True)]
-    return np.array([[0, *accumulate(numels)], [0, *accumulate(groups)],
-                     [0, *accumulate(nbytes)], [*widths, 0], [*map(int, zeros), 0]], np.int64)
-
-
-def _on_device(table: np.ndarray, device: torch.device) -> list[torch.Tensor]:
-    """``table``'s rows on a CUDA ``device``, sent from pinned memory without waiting (no
+def _table(numels: list[int], widths: list[int], zeros: list[bool], group_size: int,
+           device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
+    """The segment table (:func:`actune_kernels.cpu_segments.segment_table`) on the host,
+    and as a tensor on ``device`` (for CUDA sent from pinned memory without waiting: no
     host-device synchronisation)."""
-    rows = torch.from_numpy(table).pin_memory().to(device, non_blocking=True)
-    return list(rows)
+    from actune_kernels.cpu_segments import segment_table
+
+    host = segment_table(numels, widths, zeros, group_size)
+    table = torch.from_numpy(host)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    return host, table
 
 
 def quantize_many(xs: Sequence[torch.Tensor], bits: int | Sequence[int], *,
@@ -128,23 +123,20 @@ def _pack_batch(xs: list[torch.Tensor], widths: list[int], zeros: list[bool],
     flats, strides = zip(*(memory_order(x) for x in xs), strict=True)
     device = xs[0].device
     flat = torch.cat([f if f.dtype == work else f.to(work) for f in flats])
-    table = segment_table([f.numel() for f in flats], widths, zeros, group_size)
-    group, codes_at = table[1].tolist(), table[2].tolist()
+    host, table = _table([f.numel() for f in flats], widths, zeros, group_size, device)
+    group, codes_at = host[1].tolist(), host[2].tolist()
     codes = torch.empty(codes_at[-1], dtype=torch.uint8, device=device)
     meta = torch.empty((group[-1], 2), dtype=torch.int16, device=device)
     if device.type == "cpu":
         from actune_kernels import cpu_segments
 
-        cpu_segments.pack_segments(flat.numpy(), codes.numpy(), _numpy(meta), *table[:3],
-                                   table[3].astype(np.uint8)[:-1],
-                                   table[4].astype(np.bool_)[:-1], group_size, seed,
-                                   stochastic)
+        cpu_segments.pack_segments(flat.numpy(), codes.numpy(), _numpy(meta), host, group_size,
+                                   seed, stochastic)
     else:
         from actune_kernels import cuda as kernels
 
-        _cuda_launch(lambda x, c, m, *rows, stream: kernels.pack_segments(
-            x, c, m, *rows, group_size, seed, stochastic, stream=stream),
-            flat, codes, meta, *_on_device(table, device))
+        _cuda_launch(lambda x, c, m, t, stream: kernels.pack_segments(
+            x, c, m, t, group_size, seed, stochastic, stream=stream), flat, codes, meta, table)
     return [PackedTensor(codes[codes_at[k]:codes_at[k + 1]], meta[group[k]:group[k + 1]],
                          widths[k], group_size, x.shape, x.dtype, strides[k], zeros[k])
             for k, x in enumerate(xs)]
@@ -179,23 +171,21 @@ def _unpack_batch(ps: list[PackedTensor], work: torch.dtype,
     zeros = [p.zero_code for p in ps]
     numels = [p.numel() for p in ps]
     device = ps[0].codes.device
-    table = segment_table(numels, widths, zeros, group_size)
-    start = table[0].tolist()
+    host, table = _table(numels, widths, zeros, group_size, device)
+    start = host[0].tolist()
     codes = torch.cat([p.codes for p in ps])
     meta = torch.cat([p.meta for p in ps])
     flat = torch.empty(start[-1], dtype=work, device=device)
     if device.type == "cpu":
         from actune_kernels import cpu_segments
 
-        cpu_segments.unpack_segments(codes.numpy(), _numpy(meta), *table[:3],
-                                     table[3].astype(np.uint8)[:-1],
-                                     table[4].astype(np.bool_)[:-1], group_size, flat.numpy())
+        cpu_segments.unpack_segments(codes.numpy(), _numpy(meta), host, group_size,
+                                     flat.numpy())
     else:
         from actune_kernels import cuda as kernels
 
-        _cuda_launch(lambda c, m, *rest, stream: kernels.unpack_segments(
-            c, m, *rest[:5], group_size, rest[5], stream=stream),
-            codes, meta, *_on_device(table, device), flat)
+        _cuda_launch(lambda c, m, t, o, stream: kernels.unpack_segments(
+            c, m, t, group_size, o, stream=stream), codes, meta, table, flat)
     out = []
     for k, p in enumerate(ps):
         t = flat[start[k]:start[k + 1]].as_strided(p.shape, p.stride)

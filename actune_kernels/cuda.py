@@ -175,8 +175,8 @@ def _make_kernels(mul):
                        lane, row, fbuf, ibuf)
 
     @cuda.jit
-    def pack_segments_kernel(x, codes, meta, seg_start, seg_group, seg_codes, seg_bits,
-                             seg_zero, group_size, seed, stochastic):  # pragma: no cover
+    def pack_segments_kernel(x, codes, meta, table, group_size, seed,
+                             stochastic):  # pragma: no cover - compiled
         lane = cuda.threadIdx.x
         row = cuda.threadIdx.y
         fbuf = cuda.shared.array((WARPS_PER_BLOCK, WARP), float64)
@@ -185,15 +185,15 @@ def _make_kernels(mul):
         for block in range(cuda.blockIdx.x, -(-groups // WARPS_PER_BLOCK), cuda.gridDim.x):
             g = block * WARPS_PER_BLOCK + row
             valid = g < groups
-            s = _segment_of(seg_group, min(g, groups - 1))
-            bits = seg_bits[s]
-            local = g - seg_group[s]
-            start = seg_start[s] + local * group_size
-            end = min(start + group_size, seg_start[s + 1]) if valid else start
+            s = _segment_of(table, min(g, groups - 1))
+            bits = table[3, s]
+            local = g - table[1, s]
+            start = table[0, s] + local * group_size
+            end = min(start + group_size, table[0, s + 1]) if valid else start
             # the widths of a block's warps differ: three rounds of byte assembly in each
             pack_group(x, codes, meta, g, valid, start, end,
-                       seg_codes[s] + local * (group_size * bits // 8), start, bits,
-                       group_size, seed, stochastic, seg_zero[s] != 0, 3, lane, row, fbuf,
+                       table[2, s] + local * (group_size * bits // 8), start, bits,
+                       group_size, seed, stochastic, table[4, s] != 0, 3, lane, row, fbuf,
                        ibuf)
 
     @cuda.jit(device=True)
@@ -230,8 +230,7 @@ def _make_kernels(mul):
                          group_size, zero_code, lane)
 
     @cuda.jit
-    def unpack_segments_kernel(codes, meta, seg_start, seg_group, seg_codes, seg_bits,
-                               seg_zero, group_size, y):  # pragma: no cover - compiled
+    def unpack_segments_kernel(codes, meta, table, group_size, y):  # pragma: no cover
         lane = cuda.threadIdx.x
         row = cuda.threadIdx.y
         groups = meta.shape[0]
@@ -239,26 +238,26 @@ def _make_kernels(mul):
             g = block * WARPS_PER_BLOCK + row
             if g >= groups:
                 continue
-            s = _segment_of(seg_group, g)
-            bits = seg_bits[s]
-            local = g - seg_group[s]
+            s = _segment_of(table, g)
+            bits = table[3, s]
+            local = g - table[1, s]
             lo64, scale64 = _meta_values(meta[g, 0], meta[g, 1])
-            unpack_group(codes, lo64, scale64, y, seg_start[s] + local * group_size,
-                         seg_start[s + 1], seg_codes[s] + local * (group_size * bits // 8),
-                         bits, group_size, seg_zero[s] != 0, lane)
+            unpack_group(codes, lo64, scale64, y, table[0, s] + local * group_size,
+                         table[0, s + 1], table[2, s] + local * (group_size * bits // 8),
+                         bits, group_size, table[4, s] != 0, lane)
 
     return pack_kernel, unpack_kernel, pack_segments_kernel, unpack_segments_kernel
 
 
 @cuda.jit(device=True)
-def _segment_of(seg_group, g):  # pragma: no cover - compiled
-    """The segment holding group ``g``: the last ``s`` with ``seg_group[s] <= g`` (empty
+def _segment_of(table, g):  # pragma: no cover - compiled
+    """The segment holding group ``g``: the last ``s`` with ``table[1, s] <= g`` (empty
     segments own no group)."""
     lo = 0
-    hi = seg_group.size - 1  # seg_group ends with the number of groups
+    hi = table.shape[1] - 1  # the group row ends with the number of groups
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if seg_group[mid] <= g:
+        if table[1, mid] <= g:
             lo = mid
         else:
             hi = mid
@@ -298,35 +297,31 @@ def unpack(codes, meta, bits: int, group_size: int, out, zero_code: bool = False
         launch(codes, meta, bits, group_size, zero_code, out)
 
 
-def pack_segments(x, codes, meta, seg_start, seg_group, seg_codes, seg_bits, seg_zero,
-                  group_size: int, seed: int, stochastic: bool = True, stream=0) -> None:
+def pack_segments(x, codes, meta, table, group_size: int, seed: int, stochastic: bool = True,
+                  stream=0) -> None:
     """Pack the segments of device array ``x`` in one launch: the arguments of
-    :func:`actune_kernels.cpu_segments.pack_segments` (the widths and zero-code flags as
-    int64 device arrays here), the same bytes."""
+    :func:`actune_kernels.cpu_segments.pack_segments` (``table`` a device array), the same
+    bytes."""
     groups = meta.shape[0]
     if groups:
         launch = _configured(2, str(x.dtype), grid(groups)[0], stream)
-        launch(x, codes, meta, seg_start, seg_group, seg_codes, seg_bits, seg_zero, group_size,
-               seed, stochastic)
+        launch(x, codes, meta, table, group_size, seed, stochastic)
 
 
-def unpack_segments(codes, meta, seg_start, seg_group, seg_codes, seg_bits, seg_zero,
-                    group_size: int, out, stream=0) -> None:
+def unpack_segments(codes, meta, table, group_size: int, out, stream=0) -> None:
     """Fill device array ``out`` from what :func:`pack_segments` wrote, in one launch."""
     groups = meta.shape[0]
     if groups:
         launch = _configured(3, str(out.dtype), grid(groups)[0], stream)
-        launch(codes, meta, seg_start, seg_group, seg_codes, seg_bits, seg_zero, group_size,
-               out)
+        launch(codes, meta, table, group_size, out)
 
 
 PACK_SIGNATURE = ("void({0}[::1], uint8[::1], uint16[:, ::1], int64, int64, int64, int64, "
                   "boolean, boolean)")
 UNPACK_SIGNATURE = "void(uint8[::1], uint16[:, ::1], int64, int64, boolean, {0}[::1])"
-_TABLE = "int64[::1], int64[::1], int64[::1], int64[::1], int64[::1]"
-PACK_SEGMENTS_SIGNATURE = ("void({0}[::1], uint8[::1], uint16[:, ::1], " + _TABLE
-                           + ", int64, int64, boolean)")
-UNPACK_SEGMENTS_SIGNATURE = "void(uint8[::1], uint16[:, ::1], " + _TABLE + ", int64, {0}[::1])"
+PACK_SEGMENTS_SIGNATURE = ("void({0}[::1], uint8[::1], uint16[:, ::1], int64[:, ::1], int64, "
+                           "int64, boolean)")
+UNPACK_SEGMENTS_SIGNATURE = "void(uint8[::1], uint16[:, ::1], int64[:, ::1], int64, {0}[::1])"
 
 
 def compile_ptx(cc: tuple[int, int] = (9, 0), dtype: str = "float32") -> dict[str, str]:

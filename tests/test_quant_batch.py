@@ -44,8 +44,8 @@ def test_each_tensor_gets_the_bytes_of_its_own_segment_and_its_own_layout_back()
     flats = [x.detach().permute(*range(x.dim())).reshape(-1) for x in xs]
     sizes = [x.numel() for x in xs]
     batch = [i for i, x in enumerate(xs) if x.numel() and x.dtype != torch.float64]
-    start, _, _ = cpu_segments.segments([sizes[i] for i in batch], [BITS[i] for i in batch],
-                                        256)
+    start = cpu_segments.segment_table([sizes[i] for i in batch], [BITS[i] for i in batch],
+                                       [ZEROS[i] for i in batch], 256)[0]
     for k, i in enumerate(batch[:2]):  # contiguous ones: their flat order is their own
         codes = torch.empty_like(ps[i].codes)
         meta = torch.empty_like(ps[i].meta)

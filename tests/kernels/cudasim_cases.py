@@ -49,15 +49,14 @@ def segments_same(rng, group_size, specs, one_block) -> bool:
         x = (rng.standard_normal(n) * 3).astype(np.float32)
         parts.append(np.maximum(x, 0) if zero else x)
     x = np.concatenate(parts)
-    widths = [b for _, b, _ in specs]
-    start, group, codes_at = cpu_segments.segments([n for n, _, _ in specs], widths, group_size)
-    table = [start, group, codes_at, np.array(widths, np.int64),
-             np.array([int(z) for _, _, z in specs], np.int64)]
+    table = cpu_segments.segment_table([n for n, _, _ in specs], [b for _, b, _ in specs],
+                                       [z for _, _, z in specs], group_size)
+    start, group, codes_at = table[:3]
     codes = np.full(int(codes_at[-1]), 0xAA, np.uint8)
     meta = np.full((int(group[-1]), 2), 0xAAAA, np.uint16)
-    kernels.pack_segments(x, codes, meta, *table, group_size, 13)
+    kernels.pack_segments(x, codes, meta, table, group_size, 13)
     y = np.full(x.size, 7, np.float32)
-    kernels.unpack_segments(codes, meta, *table, group_size, y)
+    kernels.unpack_segments(codes, meta, table, group_size, y)
     for k, (_, b, z) in enumerate(specs):
         seg = x[start[k]:start[k + 1]]
         c_ref, m_ref = ref.pack(seg, b, group_size, 13, True, int(start[k]), z)

@@ -10,16 +10,14 @@ from actune_kernels import reference as ref
 
 
 def pack_all(parts, widths, zeros, group_size, seed, stochastic=True, dtype=np.float32):
-    start, group, codes_at = cpu_segments.segments([p.size for p in parts], widths, group_size)
+    table = cpu_segments.segment_table([p.size for p in parts], widths, zeros, group_size)
+    start, group, codes_at = table[:3]
     x = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
     codes = np.full(int(codes_at[-1]), 0xAA, np.uint8)
     meta = np.full((int(group[-1]), 2), 0xAAAA, np.uint16)
-    seg_bits, seg_zero = np.array(widths, np.uint8), np.array(zeros, np.bool_)
-    cpu_segments.pack_segments(x, codes, meta, start, group, codes_at, seg_bits, seg_zero,
-                               group_size, seed, stochastic)
+    cpu_segments.pack_segments(x, codes, meta, table, group_size, seed, stochastic)
     y = np.full(x.size, 99, dtype)
-    cpu_segments.unpack_segments(codes, meta, start, group, codes_at, seg_bits, seg_zero,
-                                 group_size, y)
+    cpu_segments.unpack_segments(codes, meta, table, group_size, y)
     return x, codes, meta, y, (start, group, codes_at)
 
 
@@ -71,18 +69,17 @@ def test_round_to_nearest_and_the_segment_offsets():
     assert_each_alone(_parts(rng, [100, 1000], [False, False]), [2, 4], [False, False],
                       stochastic=False)
     # where each segment's elements (its random stream's base), groups and bytes begin
-    start, group, codes_at = cpu_segments.segments([5, 0, 300], [2, 8, 4], 128)
+    start, group, codes_at = cpu_segments.segment_table([5, 0, 300], [2, 8, 4], [0] * 3, 128)[:3]
     assert start.tolist() == [0, 5, 5, 305]
     assert group.tolist() == [0, 1, 1, 4]
     assert codes_at.tolist() == [0, 32, 32, 224]
 
 
 def test_mismatched_segment_arrays_are_refused():
-    start, group, codes_at = cpu_segments.segments([4, 4], [2, 2], 8)
+    table = cpu_segments.segment_table([4, 4], [2, 2], [False, False], 8)
     with pytest.raises(ValueError, match="one entry more"):
         cpu_segments.pack_segments(np.zeros(8, np.float32), np.zeros(4, np.uint8),
-                                   np.zeros((2, 2), np.uint16), start, group, codes_at,
-                                   np.array([2], np.uint8), np.array([False, False]), 8, 1)
+                                   np.zeros((2, 2), np.uint16), table[:4], 8, 1)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
