@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level, get_level
 from actune.mode import FunctionMode, parameter_like, top_hooks
-from actune.quant import PackedMask, pack_mask, quantize, quantize_samples
+from actune.quant import PackedMask, _draw_seed, pack_mask, quantize, quantize_samples
 from actune.quant_batch import quantize_many
 from actune.rules import op_name
 from actune.saved import Derived, Saved, feature_major
@@ -51,6 +51,7 @@ __all__ = ["CompressionStats", "allow_overwrite", "compressed", "feature_major",
 # Which ops' saved tensors are quantized, and with which of the level's bit widths.
 _MATMUL = "matmul"
 _OTHER = "other"
+_ZEROS = "zeros"  # a tensor >= 0 whose backward reads its exact zeros (rules/masks.py)
 _ALLOCATED = "allocated"  # cache-key marker: bits chosen by the allocator
 _OUTSIDE = "(saved outside any op)"  # a custom autograd function's ctx.save_for_backward
 _BOUNDARY = "checkpoint boundary"
@@ -83,10 +84,31 @@ class CompressionStats:
         return describe_exact({**self.exact, **small})
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
-    # the storage's address (what StorageWeakRef(...).cdata holds), without a weak reference
+def _zero_code_bits(level: Level) -> int | None:
+    bits = level.matmul_bits or level.other_bits
+    return bits if level.masks and bits is not None and bits >= 2 else None
+
+
+#: Rule bits -> the level's width for them.
+_WIDTHS: dict[str, Callable[[Level], int | None]] = {
+    _MATMUL: lambda level: level.matmul_bits,
+    _OTHER: lambda level: level.other_bits,
+    _ZEROS: _zero_code_bits,
+}
+
+
+def _storage_key(t: torch.Tensor, bits: object, bumps: int = 0) -> tuple:
+    """The packed-storage cache's key of ``t``'s value at ``bits``: the storage's address (what
+    ``StorageWeakRef(...).cdata`` holds, without a weak reference), the view, and the version
+    (``bumps``: increments still to come before backward, as ``mark_dirty``'s)."""
     return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(),
-            t.dtype, t._version)
+            t.dtype, t._version + bumps, bits)
+
+
+def _whole_key_shaped(t: torch.Tensor) -> tuple:
+    """:func:`_storage_key` without version and bits: one key per view, whatever its value."""
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(),
+            t.dtype)
 
 
 def _whole_key(t: torch.Tensor) -> tuple:
@@ -105,6 +127,7 @@ class _Session:
         self.op = None  # the function being run (None: outside any routed call)
         self.hook = self.pack_hook  # the object registered as the pack hook (who saves?)
         self.cache: dict[tuple, object] = {}
+        self.seed: int | None = None  # the next tensor's seed (drawn at the first, see _seeds)
         self.seen: dict[tuple, StorageWeakRef] = {}
         # tensors a later saver rebuilds from another's packed value (a layer norm's output
         # from its normalised input): storage key without shape -> (alive, version, Derived)
@@ -141,11 +164,8 @@ class _Session:
         return ap if ap is not None and self.levels and self.level.avg_bits is not None else None
 
     def bits_for(self, kind: str | None) -> int | None:
-        if kind == _MATMUL:
-            return self.level.matmul_bits
-        if kind == _OTHER:
-            return self.level.other_bits
-        return None
+        """The level's bits for what an op of rule bits ``kind`` saves (None: exact)."""
+        return None if kind is None else _WIDTHS[kind](self.level)
 
     # -- hooks ---------------------------------------------------------------------------
 
@@ -168,8 +188,7 @@ class _Session:
         if bits is None and self.op is None and _saved_by_checkpoint():
             bits = level.nonlinear_bits  # the region is recomputed from these: nonlinear
             if bits is not None and t.is_floating_point() and t.numel() >= level.min_numel:
-                return self._pack(t, bits, _BOUNDARY,
-                                  lambda: quantize(t, bits, group_size=level.group_size))
+                return self._pack(t, bits, _BOUNDARY, lambda: self._quantize(t, bits))
             return self._keep(t, new, _BOUNDARY)
         if bits is None or not t.is_floating_point() or t.numel() < level.min_numel:
             return self._keep(t, new)
@@ -179,12 +198,14 @@ class _Session:
         by_feature = self.features and not (ap is not None and ap.splits_samples(t))
         if ap is not None:
             return self._pack_allocated(t, self.kind, by_feature)
-        return self._pack(t, bits, self.kind, lambda: quantize(
-            feature_major(t) if by_feature else t, bits, group_size=level.group_size))
+        zeros = self.kind == _ZEROS  # (accounted as PackedReLU's are)
+        return self._pack(t, bits, "relu" if zeros else self.kind, lambda: self._quantize(
+            feature_major(t) if by_feature else t, bits, zeros))
 
     @staticmethod
     def unpack_hook(saved: object) -> torch.Tensor:
-        return saved.get() if isinstance(saved, Saved | Derived) else saved
+        cls = type(saved)  # (cheaper than isinstance on this path, taken for every tensor)
+        return saved.get() if cls is Saved or cls is Derived else saved
 
     # -- tensors rebuilt from another's packed value ---------------------------------------
 
@@ -221,8 +242,12 @@ class _Session:
 
     def count(self, t: torch.Tensor) -> bool:
         """Count ``t`` as an activation autograd would keep; False if its storage was already
-        counted in this context."""
-        key = _storage_key(t)[:-1]
+        counted in this context. Only a statistics sink or an allocator (whose budget counts a
+        shared slot twice) reads the count: without one it is skipped (always True), as it is
+        most of the hooks' work on a tensor kept as it is."""
+        if self.stats_sink is None and self.autoprec is None:
+            return True
+        key = _whole_key_shaped(t)
         seen = self.seen.get(key)
         if seen is not None and not seen.expired():
             return False
@@ -232,7 +257,7 @@ class _Session:
 
     def _keep(self, t: torch.Tensor, new: bool, label: str | None = None) -> torch.Tensor:
         """Keep ``t`` as it is, accounted under the op saving it (or ``label``)."""
-        if new:
+        if new and self.stats_sink is not None:
             nbytes = t.numel() * t.element_size()
             stats = self.stats
             stats.kept += 1
@@ -252,7 +277,7 @@ class _Session:
 
     def forget(self, t: torch.Tensor) -> None:
         """``t``'s storage holds a new value (written over in place): count it again."""
-        self.seen.pop(_storage_key(t)[:-1], None)
+        self.seen.pop(_whole_key_shaped(t), None)
 
     def run_as(self, kind: str, func, args, kwargs):
         """Run ``func`` with its saved tensors packed at the level's ``kind`` bits."""
@@ -271,11 +296,14 @@ class _Session:
 
     def _hold(self, saved: Saved, kind: str, replaces: tuple = ()) -> Saved:
         """Account ``saved`` as kept (and the tensors it ``replaces`` as what PyTorch kept)."""
+        if self.stats_sink is None and self.autoprec is None:
+            return saved
         for r in replaces:
             self.count(r)
-        self.stats.packed += 1
-        self.stats.kept_bytes += saved.nbytes
-        self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + saved.nbytes
+        stats = self.stats
+        stats.packed += 1
+        stats.kept_bytes += saved.nbytes
+        stats.by_kind[kind] = stats.by_kind.get(kind, 0) + saved.nbytes
         return saved
 
     # -- the packed-storage cache ----------------------------------------------------------
@@ -287,24 +315,23 @@ class _Session:
         alive, saved = entry
         return None if alive.expired() else saved  # a freed storage's address can come back
 
-    def _remember(self, t: torch.Tensor, bits: int | None, saved: Saved,
-                  bumps: int = 0) -> None:
-        key = _storage_key(t)
-        key = (*key[:-1], key[-1] + bumps, bits)
+    def _remember(self, key: tuple, t: torch.Tensor, saved: Saved) -> None:
+        """Later savers of ``t`` (cache ``key``) share ``saved`` while ``t``'s storage lives."""
         self.cache[key] = (StorageWeakRef(t.untyped_storage()), saved)
 
     def _pack_allocated(self, t: torch.Tensor, kind: str, by_feature: bool = False) -> Saved:
         """Pack with the bits the allocator gives this slot (``by_feature``: from
         :func:`feature_major`'s copy), or find it in the cache if the storage was packed
         already (this op reads that slot too)."""
-        found = self._cached((*_storage_key(t), _ALLOCATED))
+        key = _storage_key(t, _ALLOCATED)
+        found = self._cached(key)
         if found is not None and isinstance(found.packed, PackedMask):
             found = None  # kept as a mask only (no reader at the last statistics step)
         if found is None:
             packed, slot = self._quantize_planned(feature_major(t) if by_feature else t, False)
             found = self._hold(self._new(packed), kind)
             found.slot = slot
-            self._remember(t, _ALLOCATED, found)
+            self._remember(key, t, found)
         self._touch(found.slot)
         return found
 
@@ -320,9 +347,26 @@ class _Session:
             packed = quantize_samples(t, plan.by_rank, group_size=group, zero_code=zero_code,
                                       weight=plan.weight)
         else:
-            packed = quantize(t, plan.bits, group_size=group, zero_code=zero_code)
+            packed = self._quantize(t, plan.bits, zero_code)
         ap.observe(plan, packed, t)
         return packed, plan.slot
+
+    def _seeds(self, n: int = 1) -> int:
+        """The first of ``n`` seeds for the tensors packed next: one draw from torch's
+        generator per context (``torch.manual_seed`` still makes a run repeatable), then
+        consecutive seeds, as :func:`~actune.quant_batch.quantize_many` gives its calls."""
+        if self.seed is None:
+            self.seed = _draw_seed()
+        first = self.seed
+        self.seed = first + n
+        return first
+
+    def _quantize(self, t: torch.Tensor, bits: int, zero_code: bool = False):
+        """:func:`~actune.quant.quantize` at the level's group size, seeded by :meth:`_seeds`
+        (a fake tensor draws nothing: its values do not exist)."""
+        return quantize(t, bits, group_size=self.level.group_size,
+                        seed=self._seeds() if type(t) is torch.Tensor else None,
+                        zero_code=zero_code)
 
     def _touch(self, slot: int | None, scale: torch.Tensor | None = None) -> None:
         """The running op reads ``slot`` (``scale``: its noise there, relative to the slot's)."""
@@ -330,11 +374,12 @@ class _Session:
             self.touched.append(slot if scale is None else (slot, scale))
 
     def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> Saved:
-        found = self._cached((*_storage_key(t), bits))
+        key = _storage_key(t, bits)
+        found = self._cached(key)
         if found is not None:
             return found
         saved = self._new(make())
-        self._remember(t, bits, saved)
+        self._remember(key, t, saved)
         return self._hold(saved, kind)
 
     # -- packing for the substituted functions (not through the hooks) ---------------------
@@ -354,25 +399,27 @@ class _Session:
             if reads:
                 self._touch(saved.slot)
             if share_as is not None:
-                self._remember(share_as, _ALLOCATED, saved, bumps=int(dirty))
+                self._remember(_storage_key(share_as, _ALLOCATED, int(dirty)), share_as, saved)
             return saved
-        packed = quantize(t, bits, group_size=self.level.group_size, zero_code=zero_code)
+        packed = self._quantize(t, bits, zero_code)
         saved = self._hold(self._new(packed), kind, replaces)
         if share_as is not None:
-            self._remember(share_as, bits, saved, bumps=int(dirty))
+            self._remember(_storage_key(share_as, bits, int(dirty)), share_as, saved)
         return saved
 
     def pack_fixed(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = ()) -> Saved:
         """Pack ``t`` at ``bits`` whatever the allocator would choose (tensors whose bits the
         level sets apart: attention's q and k, the loss's probabilities)."""
-        packed = quantize(t, bits, group_size=self.level.group_size)
+        packed = self._quantize(t, bits)
         return self._hold(self._new(packed), kind, replaces)
 
     def pack_fixed_many(self, items: list[tuple[torch.Tensor, int, str]]) -> list[Saved]:
         """:meth:`pack_fixed` of several tensors one op saves, ``(tensor, bits, kind)`` each:
         the small ones in one kernel call (:func:`actune.quant_batch.quantize_many`)."""
         packed = quantize_many([t for t, _, _ in items], [b for _, b, _ in items],
-                               group_size=self.level.group_size)
+                               group_size=self.level.group_size,
+                               seed=self._seeds(len(items)) if all(
+                                   type(t) is torch.Tensor for t, _, _ in items) else None)
         return [self._hold(self._new(p), kind, (t,))
                 for p, (t, _, kind) in zip(packed, items, strict=True)]
 
@@ -389,6 +436,7 @@ class _Session:
         """Let go of the packed-storage cache (a forward pass has ended)."""
         self.cache.clear()
         self.seen.clear()
+        self.seed = None
         self.derived.clear()
         self.last_offloaded = None
 

@@ -34,12 +34,22 @@ _NORMS = funcs_of("norm")
 top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
+_PLAIN = torch.Tensor
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """``isinstance(t, nn.Parameter)`` without the metaclass's check for a plain tensor (a
+    Python call that cost more than the rest of the pack hook): only a subclass can be one in
+    eager code."""
+    return type(t) is not _PLAIN and isinstance(t, torch.nn.Parameter)
+
+
 def parameter_like(t: torch.Tensor) -> bool:
     """A parameter, a view of one (a transposed weight) or its autocast copy."""
     if t.is_leaf:  # (a parameter is a leaf: most saved tensors skip the slow isinstance)
-        return t.requires_grad or isinstance(t, torch.nn.Parameter)
+        return t.requires_grad or _is_parameter(t)
     base = t._base
-    if base is not None and isinstance(base, torch.nn.Parameter):  # a transposed weight
+    if base is not None and _is_parameter(base):  # a transposed weight
         return True
     fn = t.grad_fn  # an autocast copy of a parameter: ToCopyBackward0 -> AccumulateGrad
     if fn is not None and fn.name() == "ToCopyBackward0":

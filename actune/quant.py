@@ -126,7 +126,8 @@ def _empty_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic: bool,
              zero_code: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack a 1-D tensor; ``seed`` < 0 draws one from torch's default generator."""
+    """Pack a 1-D tensor (or, called directly, any contiguous one without autograd history);
+    ``seed`` < 0 draws one from torch's default generator."""
     n = x.numel()
     on_cpu = x.is_cpu  # (cheaper than x.device, which the common case never needs)
     device = None if on_cpu else x.device
@@ -139,14 +140,14 @@ def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochasti
         seed = _draw_seed()
     src = x if x.dtype in _KERNEL_DTYPES else x.float()
     if on_cpu:
-        _cpu_kernels().pack(src.numpy(), codes.numpy(), meta.numpy().view(np.uint16), bits,
-                            group_size, seed, 0, stochastic, zero_code)
+        _cpu_kernels().pack(src.numpy().reshape(-1), codes.numpy(), meta.numpy().view(np.uint16),
+                            bits, group_size, seed, 0, stochastic, zero_code)
     elif device.type == "cuda":
         from actune_kernels import cuda as kernels
 
         _cuda_launch(lambda a, c, m, stream: kernels.pack(a, c, m, bits, group_size, seed, 0,
                                                            stochastic, zero_code, stream=stream),
-                     src, codes, meta)
+                     src.reshape(-1), codes, meta)
     else:
         raise NotImplementedError(f"actune has kernels for CPU and CUDA tensors, not {x.device}")
     return codes, meta
@@ -250,6 +251,12 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
     for exact zeros: ``dequantize(p) > 0`` is then exactly ``x > 0``, still unbiased.
     """
     check_arguments(x, bits, group_size, seed, zero_code)
+    if type(x) is torch.Tensor and x.is_contiguous() and not torch.compiler.is_compiling():
+        # the common case, with no flat view to make
+        codes, meta = _pack_impl(x.detach(), bits, group_size, -1 if seed is None else seed,
+                                 stochastic, zero_code)
+        return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, x.stride(),
+                            zero_code)
     if _shapes_only(x) and x.is_contiguous():  # an estimate: no detach, no flat view
         codes, meta = _fake_pack(x, bits, group_size, 0, stochastic, zero_code)
         return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(x.stride()),

@@ -256,6 +256,31 @@ def test_transformer_activations_shrink_over_10x_at_l3():
     assert st.ratio >= 10.0, st
 
 
+def test_a_forward_draws_one_seed_and_manual_seed_repeats_its_rounding(monkeypatch):
+    from actune import hooks
+
+    draws = []
+    real = hooks._draw_seed
+    monkeypatch.setattr(hooks, "_draw_seed", lambda: draws.append(1) or real())
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                        nn.Linear(64, 8))
+    x = torch.randn(32, 64)
+
+    def grads(seed: int) -> list[torch.Tensor]:
+        net.zero_grad()
+        torch.manual_seed(seed)
+        with actune.compressed("u2"):
+            loss = net(x).square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in net.parameters()]
+
+    first = grads(1)
+    assert len(draws) == 1  # one draw for the five tensors packed in that forward
+    assert all(torch.equal(a, b) for a, b in zip(first, grads(1), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, grads(2), strict=True))
+
+
 def test_parameters_are_never_quantized_and_cost_nothing():
     lin = nn.Linear(4096, 4)
     x = torch.randn(2, 4096)

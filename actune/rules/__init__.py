@@ -8,7 +8,9 @@ and otherwise knows nothing of ops:
 
 * ``bits``: which of the level's widths the saved-tensor hooks give what the op saves
   (``"matmul"`` or ``"other"``), for ops whose backward is linear in each saved tensor, so a
-  stochastically rounded copy keeps the gradient unbiased; ``None`` keeps them exact.
+  stochastically rounded copy keeps the gradient unbiased; ``"zeros"``: a tensor >= 0 whose
+  exact zeros are all its backward reads (ReLU's output), packed with code 0 kept for them,
+  at a level with masks and 2 bits or more; ``None`` keeps them exact.
 * ``replace``: a function that runs the op through an autograd function saving something
   smaller (a mask, a derivative, packed probabilities); it returns ``None`` to let the op run
   as it is (with ``bits``).
@@ -52,8 +54,9 @@ class Rule:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown rule family {self.family!r}; one of {FAMILIES}")
-        if self.bits not in (None, "matmul", "other"):
-            raise ValueError(f"rule bits must be 'matmul', 'other' or None, not {self.bits!r}")
+        if self.bits not in (None, "matmul", "other", "zeros"):
+            raise ValueError(f"rule bits must be 'matmul', 'other', 'zeros' or None, not "
+                             f"{self.bits!r}")
 
 
 RULES: dict[Callable, Rule] = {}

@@ -2,7 +2,10 @@
 
 Their backward needs only where the slope is 1 (or the dropout mask): a 1-bit mask, exact. At
 a level with 2 bits or more, ReLU instead packs its output once with code 0 kept for exact
-zeros: that one copy serves the next layer's saved input and this backward's mask.
+zeros: that one copy serves the next layer's saved input and this backward's mask. A small
+ReLU (under ``LEAN_NUMEL`` elements) without an allocator runs as PyTorch's own, its saved
+output packed so by the hooks (rule bits ``"zeros"``): no autograd function around it, whose
+Python costs more than the memory it saves there (a gradient-sized tensor in backward).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from actune import substitutes
 from actune.rules import register
 from actune.substitutes import (
     MaskedDropout,
@@ -25,7 +29,7 @@ _RELU = (F.relu, torch.relu, torch.Tensor.relu)
 _RELU_INPLACE = (F.relu_, torch.relu_, torch.Tensor.relu_)
 
 
-@register((*_RELU, *_RELU_INPLACE), "mask", None,
+@register((*_RELU, *_RELU_INPLACE), "mask", "zeros",
           "output packed once with exact zeros (shared with the next layer), or a 1-bit mask")
 def relu(s, func, args, kwargs, level):
     x = args[0]
@@ -34,6 +38,8 @@ def relu(s, func, args, kwargs, level):
     inplace = func in _RELU_INPLACE or (func is F.relu and bool(kwargs.get("inplace")))
     bits = level.matmul_bits or level.other_bits
     if bits is not None and bits >= 2 and x.is_floating_point():
+        if x.numel() < substitutes.LEAN_NUMEL and s.allocator() is None:
+            return None  # PyTorch's own ReLU; the hooks pack its output ("zeros")
         return PackedReLU.apply(x, inplace, bits, s)
     fn = torch.relu_ if inplace else torch.relu
     return MaskedLinear.apply(x, fn, positive_after, 0.0, inplace, s)

@@ -36,3 +36,61 @@ def test_dropout_mask_is_exact_and_one_bit():
     keep = y != 0
     assert torch.equal(g, keep.float() / 0.7)
     assert st[0].by_kind.get("mask", 0) <= 64 * 64 / 8 + 64
+
+
+def _conv_relu_conv(inplace: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(inplace),
+                               torch.nn.Conv2d(8, 8, 3, padding=1))
+
+
+def _grad_fns(y: torch.Tensor) -> set[str]:
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in seen:
+            seen.add(type(node).__name__)
+            todo.extend(n for n, _ in node.next_functions)
+    return seen
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_small_relu_is_pytorchs_own_with_its_output_packed_once_with_exact_zeros(inplace):
+    import actune
+
+    model, x = _conv_relu_conv(inplace), torch.randn(2, 3, 16, 16)  # 4,096-element ReLU
+    st = []
+    with actune.compressed("u2", stats=st.append):
+        y = model(x)
+    names = _grad_fns(y)
+    assert "PackedReLUBackward" not in names and any(n.startswith("Relu") for n in names)
+    # the ReLU's output is packed once (2 bits, code 0 for its zeros) and shared with the
+    # second convolution, whose input it is; the first convolution's input is the other one
+    assert st[0].packed == 2 and st[0].by_kind["relu"] == 4096 // 256 * (256 * 2 // 8 + 4)
+    y.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+
+    # the mask is exact: the gradient reaching the first convolution's output passes only the
+    # second's weight and the ReLU's mask, so that convolution's bias gradient is PyTorch's;
+    # the second's weight gradient reads the rounded output
+    model.zero_grad()
+    model(x).square().sum().backward()
+    exact = [p.grad for p in model.parameters()]
+    torch.testing.assert_close(grads[1], exact[1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(grads[2], exact[2], rtol=1e-3, atol=1e-3)
+
+
+def test_a_large_relu_and_one_under_an_allocator_run_packed_relu(monkeypatch):
+    import actune
+    from actune import substitutes
+
+    model, x = _conv_relu_conv(False), torch.randn(2, 3, 16, 16)
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 4096)  # the ReLU is large now
+    with actune.compressed("u2"):
+        y = model(x)
+    assert "PackedReLUBackward" in _grad_fns(y)
+    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 1 << 20)
+    ap = actune.AutoPrecision(2.0)
+    with actune.compressed("L3", autoprec=ap):
+        y = model(x)
+    assert "PackedReLUBackward" in _grad_fns(y)
