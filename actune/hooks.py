@@ -122,6 +122,7 @@ class _Session:
 
     def __init__(self) -> None:
         self.levels: list[Level] = []
+        self.level: Level | None = None  # the innermost level (levels[-1]), None outside
         self.holds = 0  # forward passes of compress()ed models that share one cache
         self.kind: str | None = None  # the level's bit width the running op's rule names
         self.op = None  # the function being run (None: outside any routed call)
@@ -144,10 +145,6 @@ class _Session:
         self.overwritable = WeakIdKeyDictionary()
         self._exit: contextlib.ExitStack | None = None
 
-    @property
-    def level(self) -> Level:
-        return self.levels[-1]
-
     def attach(self, autoprec: AutoPrecision | None) -> AutoPrecision | None:
         """Make ``autoprec`` (if given) the allocator of the block being entered, which is one
         step of it when gradients are recorded; returns the allocator to restore on exit."""
@@ -161,7 +158,8 @@ class _Session:
     def allocator(self) -> AutoPrecision | None:
         """The allocator choosing bits now (a level with ``avg_bits`` and one attached)."""
         ap = self.autoprec
-        return ap if ap is not None and self.levels and self.level.avg_bits is not None else None
+        level = self.level
+        return ap if ap is not None and level is not None and level.avg_bits is not None else None
 
     def bits_for(self, kind: str | None) -> int | None:
         """The level's bits for what an op of rule bits ``kind`` saves (None: exact)."""
@@ -170,10 +168,13 @@ class _Session:
     # -- hooks ---------------------------------------------------------------------------
 
     def pack_hook(self, t: torch.Tensor) -> object:
+        level = self.level
+        if (self.stats_sink is None and self.autoprec is None
+                and t.numel() < level.min_numel):
+            return t  # kept as it is, and nothing counts it (most calls: statistics, buffers)
         if parameter_like(t) or (self.references and any(t is r for r in self.references)):
             return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.count(t)
-        level = self.level
         if t.dtype == torch.bool:
             if level.masks and t.numel() >= level.min_numel:
                 return self._pack(t, None, "mask", lambda: pack_mask(t))
@@ -332,6 +333,7 @@ class _Session:
             found = self._hold(self._new(packed), kind)
             found.slot = slot
             self._remember(key, t, found)
+        found.readers += 1
         self._touch(found.slot)
         return found
 
@@ -377,8 +379,10 @@ class _Session:
         key = _storage_key(t, bits)
         found = self._cached(key)
         if found is not None:
+            found.readers += 1
             return found
         saved = self._new(make())
+        saved.readers = 1
         self._remember(key, t, saved)
         return self._hold(saved, kind)
 
@@ -399,11 +403,13 @@ class _Session:
             if reads:
                 self._touch(saved.slot)
             if share_as is not None:
+                saved.readers = 1  # (the substitute's backward; savers that share it add theirs)
                 self._remember(_storage_key(share_as, _ALLOCATED, int(dirty)), share_as, saved)
             return saved
         packed = self._quantize(t, bits, zero_code)
         saved = self._hold(self._new(packed), kind, replaces)
         if share_as is not None:
+            saved.readers = 1
             self._remember(_storage_key(share_as, bits, int(dirty)), share_as, saved)
         return saved
 
@@ -447,9 +453,11 @@ class _Session:
                 torch.autograd.graph.saved_tensors_hooks(self.hook, self.unpack_hook))
             self._exit.enter_context(FunctionMode(self))
         self.levels.append(level)
+        self.level = level
 
     def pop(self) -> None:
         self.levels.pop()
+        self.level = self.levels[-1] if self.levels else None
         if not self.levels:
             exit_stack, self._exit = self._exit, None
             if not self.holds:

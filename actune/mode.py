@@ -58,9 +58,18 @@ def parameter_like(t: torch.Tensor) -> bool:
     return False
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+def _needs_grad(args: tuple, kwargs: dict) -> bool:
+    """Does the call record gradients (grad mode on, a tensor argument that requires them)?"""
+    if not torch.is_grad_enabled():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                return True
+    return False
 
 
 class FunctionMode(TorchFunctionMode):
@@ -70,12 +79,11 @@ class FunctionMode(TorchFunctionMode):
         super().__init__()
         self.s = session
 
-    # torch.compile cannot capture this routing (Python state, hooks): inside a compiled
-    # region every call under compressed() runs eagerly, so compression stays correct.
-    @torch.compiler.disable(recursive=True)
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _compiling():  # (see _eagerly below)
+            return _eagerly(self, func, types, args, kwargs)
         kwargs = kwargs or {}
-        if not args or not _needs_grad(*args, *kwargs.values()):
+        if not args or not _needs_grad(args, kwargs):
             return func(*args, **kwargs)
         s = self.s
         top = top_hooks(False)
@@ -163,6 +171,13 @@ class FunctionMode(TorchFunctionMode):
                 ap.watch(touched, out, scale, relayed=False)
             return
         ap.watch(touched, out, 1.0, relayed=True, reach_all=False)
+
+
+#: torch.compile cannot capture the routing (Python state, hooks): inside a compiled region
+#: every call under compressed() runs eagerly, so compression stays correct. Only a call that
+#: is being compiled takes this wrapper: eager code skips its cost (eight calls of its own).
+_eagerly = torch.compiler.disable(FunctionMode.__torch_function__, recursive=True)
+_compiling = torch.compiler.is_compiling
 
 
 def _coherent(last, h: torch.Tensor, gamma: torch.Tensor, dims) -> torch.Tensor | None:

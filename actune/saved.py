@@ -71,6 +71,11 @@ def simulated_offload() -> Iterator[None]:
         _SIMULATE_OFFLOAD.reset(token)
 
 
+#: Dequantized values under this many elements are kept for their next reader (Saved.get):
+#: a few MiB at most, held between two backward nodes, for one dequantization less.
+KEEP_NUMEL = 1 << 20
+
+
 class Saved:
     """What the pack hook returns for a compressed tensor.
 
@@ -79,8 +84,8 @@ class Saved:
     backward needs) back to the device on a side stream, so transfers overlap compute.
     """
 
-    __slots__ = ("__weakref__", "device", "fetch", "host", "packed", "prev", "ready", "slot",
-                 "unpacked")
+    __slots__ = ("__weakref__", "device", "fetch", "host", "keep", "packed", "prev", "readers",
+                 "ready", "slot", "unpacked")
 
     def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool,
                  prev: Saved | None = None) -> None:
@@ -98,6 +103,8 @@ class Saved:
             self.ready.record()
         self.unpacked: weakref.ref | None = None
         self.slot: int | None = None  # the allocator's slot, when bits were allocated
+        self.readers = 0  # backward nodes handed this value, less those that have read it
+        self.keep: torch.Tensor | None = None  # the dequantized value, for the next reader
 
     def prefetch(self) -> None:
         """Start copying the host buffers back to the device on a side stream."""
@@ -132,29 +139,42 @@ class Saved:
         """:meth:`get` as a tensor nothing else holds, which the caller may overwrite."""
         shared = self.unpacked() if self.unpacked is not None else None
         out = self.get()
-        if shared is None and not isinstance(self.packed, torch.Tensor):
+        if shared is None and self.keep is None and not isinstance(self.packed, torch.Tensor):
             self.unpacked = None  # dequantized for this caller alone
             return out
         return out.clone()
 
     def get(self) -> torch.Tensor:
+        """The value backward reads. A small one (under ``KEEP_NUMEL`` elements) that more
+        readers will read is kept dequantized until the last has (a ReLU's output: the next
+        convolution's backward, then the ReLU's, one after the other), not dequantized again."""
         if torch.is_grad_enabled():
             raise DoubleBackwardError(_DOUBLE_BACKWARD)
         out = self.unpacked() if self.unpacked is not None else None
-        if out is None:  # not alive in another node: dequantize
-            if self.host and self.ready is None:  # simulated offload (estimates)
-                packed = _to_device(self.packed, self.device, simulate=True)
-            else:
-                packed = self._from_host() if self.host else self.packed
-            if isinstance(packed, torch.Tensor):
-                return packed
-            if isinstance(packed, PackedMask):
-                out = unpack_mask(packed)
-            elif isinstance(packed, PackedSamples | PackedRows):
-                out = dequantize_samples(packed)
-            else:
-                out = dequantize(packed)
-            self.unpacked = weakref.ref(out)
+        if out is None:
+            out = self._dequantized()
+        self.readers -= 1
+        if self.readers > 0 and out.numel() < KEEP_NUMEL:
+            self.keep = out
+        elif self.keep is not None:
+            self.keep = None
+        return out
+
+    def _dequantized(self) -> torch.Tensor:
+        """The packed value dequantized (not alive in another node)."""
+        if self.host and self.ready is None:  # simulated offload (estimates)
+            packed = _to_device(self.packed, self.device, simulate=True)
+        else:
+            packed = self._from_host() if self.host else self.packed
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, PackedMask):
+            out = unpack_mask(packed)
+        elif isinstance(packed, PackedSamples | PackedRows):
+            out = dequantize_samples(packed)
+        else:
+            out = dequantize(packed)
+        self.unpacked = weakref.ref(out)
         return out
 
 
