@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -40,7 +41,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level, get_level
 from actune.mode import FunctionMode, parameter_like, top_hooks
-from actune.quant import PackedMask, _draw_seed, pack_mask, quantize, quantize_samples
+from actune.quant import (
+    PackedMask,
+    _draw_seed,
+    pack_mask,
+    quantize_checked,
+    quantize_samples,
+)
 from actune.quant_batch import quantize_many
 from actune.rules import op_name
 from actune.saved import Derived, Saved, feature_major
@@ -314,11 +321,14 @@ class _Session:
         if entry is None:
             return None
         alive, saved = entry
-        return None if alive.expired() else saved  # a freed storage's address can come back
+        return None if alive() is None else saved  # a freed storage's address can come back
 
     def _remember(self, key: tuple, t: torch.Tensor, saved: Saved) -> None:
-        """Later savers of ``t`` (cache ``key``) share ``saved`` while ``t``'s storage lives."""
-        self.cache[key] = (StorageWeakRef(t.untyped_storage()), saved)
+        """Later savers of ``t`` (cache ``key``) share ``saved`` while ``t`` lives (which keeps
+        the storage whose address the key holds alive: a plain weak reference, cheaper than
+        one to the storage; a saver handed another tensor object of the same view, after ``t``
+        is gone, packs its own copy)."""
+        self.cache[key] = (weakref.ref(t), saved)
 
     def _pack_allocated(self, t: torch.Tensor, kind: str, by_feature: bool = False) -> Saved:
         """Pack with the bits the allocator gives this slot (``by_feature``: from
@@ -366,9 +376,9 @@ class _Session:
     def _quantize(self, t: torch.Tensor, bits: int, zero_code: bool = False):
         """:func:`~actune.quant.quantize` at the level's group size, seeded by :meth:`_seeds`
         (a fake tensor draws nothing: its values do not exist)."""
-        return quantize(t, bits, group_size=self.level.group_size,
-                        seed=self._seeds() if type(t) is torch.Tensor else None,
-                        zero_code=zero_code)
+        return quantize_checked(t, bits, self.level.group_size,
+                                self._seeds() if type(t) is torch.Tensor else -1,
+                                zero_code=zero_code)
 
     def _touch(self, slot: int | None, scale: torch.Tensor | None = None) -> None:
         """The running op reads ``slot`` (``scale``: its noise there, relative to the slot's)."""

@@ -72,6 +72,10 @@ class PackedTensor:
 # Kernel dispatch: CPU through NumPy views, CUDA through __cuda_array_interface__.
 
 
+_new = object.__new__
+_compiling = torch.compiler.is_compiling
+
+
 def _draw_seed() -> int:
     return int(torch.randint(0, _SEED_RANGE, (), device="cpu").item())
 
@@ -131,9 +135,9 @@ def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochasti
     n = x.numel()
     on_cpu = x.is_cpu  # (cheaper than x.device, which the common case never needs)
     device = None if on_cpu else x.device
-    codes = torch.empty(layout.codes_nbytes(n, bits, group_size), dtype=torch.uint8,
-                        device=device)
-    meta = torch.empty((layout.num_groups(n, group_size), 2), dtype=torch.int16, device=device)
+    groups = -(-n // group_size)  # (layout.num_groups and codes_nbytes, inline)
+    codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8, device=device)
+    meta = torch.empty((groups, 2), dtype=torch.int16, device=device)
     if n == 0:
         return codes, meta
     if seed < 0:
@@ -169,10 +173,15 @@ def _unpack_impl(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size:
                numel: int, dtype: torch.dtype, zero_code: bool) -> torch.Tensor:
     """Dequantize to a 1-D tensor of ``numel`` elements of ``dtype``."""
     work = dtype if dtype in _KERNEL_DTYPES else torch.float32
-    out = (_empty_cpu(numel, work) if codes.is_cpu
-           else torch.empty(numel, dtype=work, device=codes.device))
+    on_cpu = codes.is_cpu
+    if not on_cpu:
+        out = torch.empty(numel, dtype=work, device=codes.device)
+    elif numel * work.itemsize < HUGE_OUTPUT_BYTES:
+        out = torch.empty(numel, dtype=work)
+    else:
+        out = _empty_cpu(numel, work)
     if numel:
-        if codes.is_cpu:
+        if on_cpu:
             _cpu_kernels().unpack(codes.numpy(), meta.numpy().view(np.uint16), bits, group_size,
                                   out.numpy(), zero_code)
         elif codes.device.type == "cuda":
@@ -251,20 +260,28 @@ def quantize(x: torch.Tensor, bits: int, *, group_size: int = layout.DEFAULT_GRO
     for exact zeros: ``dequantize(p) > 0`` is then exactly ``x > 0``, still unbiased.
     """
     check_arguments(x, bits, group_size, seed, zero_code)
-    if type(x) is torch.Tensor and x.is_contiguous() and not torch.compiler.is_compiling():
-        # the common case, with no flat view to make
-        codes, meta = _pack_impl(x.detach(), bits, group_size, -1 if seed is None else seed,
-                                 stochastic, zero_code)
-        return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, x.stride(),
+    return quantize_checked(x, bits, group_size, -1 if seed is None else seed, stochastic,
                             zero_code)
+
+
+def quantize_checked(x: torch.Tensor, bits: int, group_size: int, seed: int,
+                     stochastic: bool = True, zero_code: bool = False) -> PackedTensor:
+    """:func:`quantize` for a caller that has checked its arguments (the saved-tensor hooks,
+    whose level checked its widths): ``seed`` < 0 draws one."""
+    if type(x) is torch.Tensor and x.is_contiguous() and not _compiling():
+        # the common case, with no flat view to make
+        codes, meta = _pack_impl(x.detach(), bits, group_size, seed, stochastic, zero_code)
+        p = _new(PackedTensor)  # (the frozen dataclass's own __init__ sets each field by a call)
+        p.__dict__.update(codes=codes, meta=meta, bits=bits, group_size=group_size,
+                          shape=x.shape, dtype=x.dtype, stride=x.stride(), zero_code=zero_code)
+        return p
     if _shapes_only(x) and x.is_contiguous():  # an estimate: no detach, no flat view
         codes, meta = _fake_pack(x, bits, group_size, 0, stochastic, zero_code)
         return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, tuple(x.stride()),
                             zero_code)
     flat, stride = memory_order(x)
     pack = _fake_pack if _shapes_only(x) else _pack_impl if _plain(x) else _pack_op
-    codes, meta = pack(flat, bits, group_size, -1 if seed is None else seed, stochastic,
-                       zero_code)
+    codes, meta = pack(flat, bits, group_size, seed, stochastic, zero_code)
     return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, stride, zero_code)
 
 
@@ -282,9 +299,13 @@ def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 def dequantize(p: PackedTensor) -> torch.Tensor:
     """The tensor ``p`` was made from, up to quantization error: same shape, dtype, device and
     memory layout (strides)."""
-    if _shapes_only(p.codes):  # an estimate: the output's storage in one operation
-        return p.codes.new_empty_strided(p.shape, p.stride, dtype=p.dtype)
-    unpack = _unpack_impl if _plain(p.codes) else _unpack_op
+    codes = p.codes
+    if type(codes) is torch.Tensor and not _compiling():  # the common case
+        return _unpack_impl(codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype,
+                            p.zero_code).as_strided(p.shape, p.stride)
+    if _shapes_only(codes):  # an estimate: the output's storage in one operation
+        return codes.new_empty_strided(p.shape, p.stride, dtype=p.dtype)
+    unpack = _unpack_impl if _plain(codes) else _unpack_op
     flat = unpack(p.codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype, p.zero_code)
     out = flat.as_strided(p.shape, p.stride)
     return out

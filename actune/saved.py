@@ -166,9 +166,11 @@ class Saved:
             packed = _to_device(self.packed, self.device, simulate=True)
         else:
             packed = self._from_host() if self.host else self.packed
-        if isinstance(packed, torch.Tensor):
+        if type(packed) is PackedTensor:  # (the common case first)
+            out = dequantize(packed)
+        elif isinstance(packed, torch.Tensor):
             return packed
-        if isinstance(packed, PackedMask):
+        elif isinstance(packed, PackedMask):
             out = unpack_mask(packed)
         elif isinstance(packed, PackedSamples | PackedRows):
             out = dequantize_samples(packed)

@@ -236,9 +236,11 @@ def conv_args(func, args, kwargs):
     """(x, weight, bias, stride, padding, dilation, groups) of a plain convolution call that
     :class:`OrderedConv` should run, or None (small or unbatched input, string padding: PyTorch's
     own)."""
-    x, weight = args[0], arg(args, kwargs, 1, "weight", None)
-    padding = arg(args, kwargs, 4, "padding", 0)
-    if (x.numel() < LEAN_NUMEL or not isinstance(weight, torch.Tensor)
+    x = args[0]
+    if x.numel() < LEAN_NUMEL:
+        return None
+    weight, padding = arg(args, kwargs, 1, "weight", None), arg(args, kwargs, 4, "padding", 0)
+    if (not isinstance(weight, torch.Tensor)
         or isinstance(padding, str) or x.dim() != weight.dim()):
         return None
     tensors = (x, weight, arg(args, kwargs, 2, "bias", None))

@@ -11,6 +11,8 @@ import numba
 import numpy as np
 from numba import prange
 
+from actune_kernels.cpu import _serial
+
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _to_offsets(idx, out, in_w, out_h, out_w, kw, sy, sx, py, px, dy, dx):  # pragma: no cover
@@ -51,17 +53,26 @@ def _to_indices(off, out, in_w, out_h, out_w, kw, sy, sx, py, px, dy, dx):  # pr
                 out[p, j] = row + ox * sx + step[off[p, j]]
 
 
+#: The same kernels on the calling thread alone, for outputs under this many elements (as
+#: actune_kernels.cpu does for packing): waking the thread pool costs more there.
+SERIAL = 16384
+_to_offsets_serial = _serial(_to_offsets)
+_to_indices_serial = _serial(_to_indices)
+
+
 def offsets_2d(indices: np.ndarray, out: np.ndarray, in_w: int, kernel, stride, padding,
                dilation) -> None:
     """Fill ``out`` (uint8, [planes, out_h * out_w]) with window offsets of 2-d ``indices``
     (int64, [planes, out_h, out_w])."""
     planes, out_h, out_w = indices.shape
-    _to_offsets(indices.reshape(planes, -1), out, in_w, out_h, out_w, kernel[1], *stride,
-                *padding, *dilation)
+    kernel_fn = _to_offsets if indices.size >= SERIAL else _to_offsets_serial
+    kernel_fn(indices.reshape(planes, -1), out, in_w, out_h, out_w, kernel[1], *stride,
+              *padding, *dilation)
 
 
 def indices_2d(offsets: np.ndarray, out: np.ndarray, in_w: int, out_h: int, out_w: int,
                kernel, stride, padding, dilation) -> None:
     """Fill ``out`` (int64, [planes, out_h * out_w]) with the flat input indices of
     ``offsets`` (uint8, [planes, out_h * out_w])."""
-    _to_indices(offsets, out, in_w, out_h, out_w, kernel[1], *stride, *padding, *dilation)
+    kernel_fn = _to_indices if offsets.size >= SERIAL else _to_indices_serial
+    kernel_fn(offsets, out, in_w, out_h, out_w, kernel[1], *stride, *padding, *dilation)

@@ -510,14 +510,17 @@ def test_norm_statistics_stay_exact_and_only_the_input_is_rounded():
     ((2, 3), (3, 3), (1, 1), (1, 1), (1, 2)),  # wider: decomposed through coordinates
     ((8, 8), (2, 2), (2, 2), (0, 0), (1, 1)),
 ])
-@pytest.mark.parametrize("path", ["numba", "torch"])
+@pytest.mark.parametrize("path", ["numba", "numba-parallel", "torch"])
 def test_max_pool_offsets_round_trip_to_pytorchs_indices(size, kernel, stride, padding,
                                                          dilation, path, monkeypatch):
     from actune import substitutes
     from actune.substitutes import indices_from_offsets, window_offsets
+    from actune_kernels import pool
 
     if path == "torch":  # the path GPUs and fake tensors take
         monkeypatch.setattr(substitutes, "_numba_pool", lambda t, kernel: False)
+    if path == "numba-parallel":  # (these sizes take the serial kernels otherwise)
+        monkeypatch.setattr(pool, "SERIAL", 0)
     x = torch.randn(3, 5, *size, generator=torch.Generator().manual_seed(1))
     _, idx = F.max_pool2d(x, kernel, stride, padding, dilation, return_indices=True)
     offsets, spatial = window_offsets(idx, x.shape[-2:], kernel, stride, padding, dilation)

@@ -150,10 +150,12 @@ def _lean_norm_args(s, args, kwargs) -> tuple | None:
     batch norm that :class:`LeanBatchNorm` should run, or None (PyTorch's own: small inputs,
     half precision, autocast)."""
     x = args[0]
+    if x.numel() < substitutes.LEAN_NUMEL:
+        return None
     weight, bias = arg(args, kwargs, 3, "weight", None), arg(args, kwargs, 4, "bias", None)
     momentum = arg(args, kwargs, 6, "momentum", 0.1)
     if (not arg(args, kwargs, 5, "training", False) or x.dim() < 2
-            or x.numel() < substitutes.LEAN_NUMEL or x.dtype not in (torch.float32, torch.float64)
+            or x.dtype not in (torch.float32, torch.float64)
             or torch.is_autocast_enabled(x.device.type) or not isinstance(momentum, float | int)
             or any(t is not None and t.dtype != x.dtype for t in (weight, bias))):
         return None

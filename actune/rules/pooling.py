@@ -39,6 +39,12 @@ class ShapeOnlyPool(torch.autograd.Function):
     def backward(ctx, grad):
         check_double_backward()
         func, rest, kwargs, shape, dtype, device = ctx.spec
+        if func is F.adaptive_avg_pool2d and len(shape) in (3, 4):  # as PyTorch's backward:
+            if grad.shape[-2:] == (1, 1):  # a CNN's global pool, which PyTorch runs as a mean
+                return grad.expand(shape) / (shape[-1] * shape[-2]), None, None, None
+            like = torch.zeros((), dtype=dtype, device=device).expand(shape)  # its shape only
+            return (torch.ops.aten._adaptive_avg_pool2d_backward(grad, like), None, None,
+                    None)
         zeros = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
         with torch.enable_grad(), plain_saving():
             out = func(zeros, *rest, **kwargs)

@@ -42,6 +42,8 @@ POOLS = {
     "avg_pool2d": lambda t: F.avg_pool2d(t * 1.0, 3, 2, 1, count_include_pad=False),
     "avg_pool1d": lambda t: F.avg_pool1d(t.flatten(2) * 1.0, 4),
     "adaptive_avg_pool2d": lambda t: F.adaptive_avg_pool2d(t * 1.0, (3, 5)),
+    "global_avg_pool": lambda t: F.adaptive_avg_pool2d(t * 1.0, 1),
+    "global_avg_pool_unbatched": lambda t: F.adaptive_avg_pool2d(t[0] * 1.0, 1),
     "adaptive_avg_pool3d": lambda t: F.adaptive_avg_pool3d(t[:, None] * 1.0, 2),
 }
 
