@@ -196,7 +196,7 @@ class _Session:
         if bits is None and self.op is None and _saved_by_checkpoint():
             bits = level.nonlinear_bits  # the region is recomputed from these: nonlinear
             if bits is not None and t.is_floating_point() and t.numel() >= level.min_numel:
-                return self._pack(t, bits, _BOUNDARY, lambda: self._quantize(t, bits))
+                return self._pack(t, bits, _BOUNDARY)
             return self._keep(t, new, _BOUNDARY)
         if bits is None or not t.is_floating_point() or t.numel() < level.min_numel:
             return self._keep(t, new)
@@ -207,8 +207,8 @@ class _Session:
         if ap is not None:
             return self._pack_allocated(t, self.kind, by_feature)
         zeros = self.kind == _ZEROS  # (accounted as PackedReLU's are)
-        return self._pack(t, bits, "relu" if zeros else self.kind, lambda: self._quantize(
-            feature_major(t) if by_feature else t, bits, zeros))
+        return self._pack(t, bits, "relu" if zeros else self.kind, by_feature=by_feature,
+                          zero_code=zeros)
 
     @staticmethod
     def unpack_hook(saved: object) -> torch.Tensor:
@@ -385,13 +385,26 @@ class _Session:
         if self.touched is not None and slot is not None:
             self.touched.append(slot if scale is None else (slot, scale))
 
-    def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable) -> Saved:
+    def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable | None = None,
+              by_feature: bool = False, zero_code: bool = False) -> Saved:
+        """``t`` packed (by ``make()``, else quantized at ``bits``, from :func:`feature_major`'s
+        copy with ``by_feature``), or what a saver of the same value packed before. (The
+        quantization is inline: this path runs for every compressed tensor.)"""
         key = _storage_key(t, bits)
         found = self._cached(key)
         if found is not None:
             found.readers += 1
             return found
-        saved = self._new(make())
+        if make is not None:
+            packed = make()
+        else:
+            seed = -1  # (a fake tensor draws nothing: its values do not exist)
+            if type(t) is torch.Tensor:  # (_seeds(), inline)
+                seed = self.seed if self.seed is not None else _draw_seed()
+                self.seed = seed + 1
+            packed = quantize_checked(feature_major(t) if by_feature else t, bits,
+                                      self.level.group_size, seed, zero_code=zero_code)
+        saved = self._new(packed)
         saved.readers = 1
         self._remember(key, t, saved)
         return self._hold(saved, kind)

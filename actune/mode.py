@@ -44,6 +44,13 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return type(t) is not _PLAIN and isinstance(t, torch.nn.Parameter)
 
 
+#: Tensor methods that read metadata and save nothing: run at once, not routed.
+_QUERIES = frozenset({torch.Tensor.dim, torch.Tensor.size, torch.Tensor.stride,
+                      torch.Tensor.numel, torch.Tensor.is_contiguous, torch.Tensor.element_size,
+                      torch.Tensor.is_floating_point, torch.Tensor.data_ptr,
+                      torch.Tensor.__len__, torch.Tensor.ndimension, torch.Tensor.nelement})
+
+
 def parameter_like(t: torch.Tensor) -> bool:
     """A parameter, a view of one (a transposed weight) or its autocast copy."""
     if t.is_leaf:  # (a parameter is a leaf: most saved tensors skip the slow isinstance)
@@ -80,6 +87,8 @@ class FunctionMode(TorchFunctionMode):
         self.s = session
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _QUERIES:  # (a batch norm asks its input's dim() each call)
+            return func(*args, **(kwargs or {}))
         if _compiling():  # (see _eagerly below)
             return _eagerly(self, func, types, args, kwargs)
         kwargs = kwargs or {}

@@ -152,7 +152,12 @@ class Saved:
             raise DoubleBackwardError(_DOUBLE_BACKWARD)
         out = self.unpacked() if self.unpacked is not None else None
         if out is None:
-            out = self._dequantized()
+            packed = self.packed
+            if type(packed) is PackedTensor and not self.host:  # (the common case, inline)
+                out = dequantize(packed)
+                self.unpacked = weakref.ref(out)
+            else:
+                out = self._dequantized()
         self.readers -= 1
         if self.readers > 0 and out.numel() < KEEP_NUMEL:
             self.keep = out
