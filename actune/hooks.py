@@ -146,7 +146,7 @@ class _Session:
         self.touched: list[int] | None = None  # allocator slots read by the op being run
         self.only_shape: torch.Size | None = None  # a norm: only tensors of its input's shape
         self.features = False  # the running op saves features-last tensors (feature_major)
-        self.references: tuple = ()  # a norm's other tensor arguments (buffers): references
+        self.references: tuple = ()  # a norm's other arguments (its buffers): references
         self.last_matmul = None  # statistics steps: the last matmul call (output, func, args)
         # tensors a batch norm may write its result over, once (allow_overwrite)
         self.overwritable = WeakIdKeyDictionary()

@@ -129,7 +129,7 @@ class FunctionMode(TorchFunctionMode):
             # the tensor of the input's shape, may be rounded; its weight, bias and running
             # statistics are references
             only = args[0].shape
-            refs = tuple(a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor))
+            refs = (*args[1:], *kwargs.values())  # (the hook tests identity: all may stay)
         s.kind, s.only_shape, s.references, s.op = (
             rule.bits if rule is not None else None, only, refs, func)
         # features last: a norm's input, or a matmul's activation times a weight (not two
