@@ -388,8 +388,8 @@ class _Session:
     def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable | None = None,
               by_feature: bool = False, zero_code: bool = False) -> Saved:
         """``t`` packed (by ``make()``, else quantized at ``bits``, from :func:`feature_major`'s
-        copy with ``by_feature``), or what a saver of the same value packed before. (The
-        quantization is inline: this path runs for every compressed tensor.)"""
+        copy with ``by_feature``), or what a saver of the same value packed before. (No
+        closure on the quantizing path: it runs for every compressed tensor.)"""
         key = _storage_key(t, bits)
         found = self._cached(key)
         if found is not None:
@@ -398,12 +398,7 @@ class _Session:
         if make is not None:
             packed = make()
         else:
-            seed = -1  # (a fake tensor draws nothing: its values do not exist)
-            if type(t) is torch.Tensor:  # (_seeds(), inline)
-                seed = self.seed if self.seed is not None else _draw_seed()
-                self.seed = seed + 1
-            packed = quantize_checked(feature_major(t) if by_feature else t, bits,
-                                      self.level.group_size, seed, zero_code=zero_code)
+            packed = self._quantize(feature_major(t) if by_feature else t, bits, zero_code)
         saved = self._new(packed)
         saved.readers = 1
         self._remember(key, t, saved)
