@@ -179,7 +179,8 @@ class _Session:
         if (self.stats_sink is None and self.autoprec is None
                 and t.numel() < level.min_numel):
             return t  # kept as it is, and nothing counts it (most calls: statistics, buffers)
-        if parameter_like(t) or (self.references and any(t is r for r in self.references)):
+        if ((t.is_leaf and t.requires_grad) or parameter_like(t)
+                or (self.references and any(t is r for r in self.references))):
             return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.count(t)
         if t.dtype == torch.bool:
