@@ -161,7 +161,8 @@ def _child(messages, i: int, item, search: Callable) -> None:  # runs in the for
         _send(messages, ("interrupted", i, None))
     except BaseException as err:  # sent back whole: the parent raises it
         _send(messages, ("error", i, _portable(err)))
-    finally:
+    finally:  # its message is sent: an interrupt now would only cut the sending short
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         messages.close()
         messages.join_thread()
 

@@ -91,6 +91,18 @@ def _add(report: Report, row: LevelResult, on_level: Callable | None) -> None:
         raise KeyboardInterrupt
 
 
+def _fill_at(row: LevelResult, peak_of: Callable[[], object], config: Config) -> None:
+    """:func:`_fill` with the peak ``peak_of()`` measures. Interrupted while it measures (a
+    Ctrl-C that reaches a search as it ends), the row keeps its answer without the peak's
+    figures, marked incomplete, instead of being lost."""
+    try:
+        peak = peak_of()
+    except KeyboardInterrupt:
+        row.complete = False
+        return
+    _fill(row, peak, config)
+
+
 def _fill(row: LevelResult, peak, config: Config) -> None:
     """Copy a peak's figures into a report row."""
     row.peak_bytes, row.host_bytes = peak.total, peak.host
@@ -229,7 +241,7 @@ def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes
     row = _row(level, result.value, probes=_probes(result.probes),
                complete=result.complete, capped=result.capped, note=_note(level, settings))
     if result.value:
-        _fill(row, trial.peak(result.value), level)
+        _fill_at(row, lambda: trial.peak(result.value), level)
     return row
 
 
@@ -282,7 +294,7 @@ def _scale_level(workload: Workload, level: Config, settings: Settings, dim: str
                probes=[{**p, "size": p["size"] * unit} for p in _probes(result.probes)],
                complete=result.complete, capped=result.capped, note=_note(level, settings))
     if value:
-        _fill(row, trials[result.value].peak(batch), level)
+        _fill_at(row, lambda: trials[result.value].peak(batch), level)
     return row
 
 

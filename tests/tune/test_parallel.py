@@ -181,4 +181,25 @@ def test_ctrl_c_keeps_the_rows_that_came_back_in_the_order_asked_for():
                                               reports.append(report)))
     # the search that sent the trial is kept; the other one too unless it had not begun
     assert kept[-1] in (["L3", "L4"], ["L3"], ["L4"]) and first[0] in kept[-1]
-    assert all(not r.complete for r in reports[-1].levels)
+    # each row holds its best so far: the largest batch that fitted among its trials, None
+    # before any did (a search may also have ended before the interrupt reached it, on a
+    # loaded machine where the parent reads the first trial late: then its row is complete)
+    for row in reports[-1].levels:
+        assert row.value == max((p["size"] for p in row.probes if p["fits"]), default=None)
+    assert any(row.value for row in reports[-1].levels)
+
+
+def test_an_interrupt_while_a_row_measures_its_peak_keeps_the_answer():
+    """A Ctrl-C that reaches a search as it ends, while it measures the peak at its answer,
+    leaves the row with its answer, marked incomplete, instead of losing it."""
+    config = parse_configs("L3")[0]
+    row = run._row(config, 96, probes=[{"size": 96, "fits": True, "peak": 1}], complete=True)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    run._fill_at(row, interrupted, config)
+    assert row.value == 96 and not row.complete and row.peak_bytes is None
+    peak = probe.Trial(Workload("blocks", _blocks, _batch), "L3", {}).peak(8)
+    run._fill_at(row, lambda: peak, config)
+    assert row.peak_bytes == peak.total
