@@ -87,13 +87,11 @@ class FunctionMode(TorchFunctionMode):
         self.s = session
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _QUERIES:  # (a batch norm asks its input's dim() each call)
-            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func in _QUERIES or not args or not _needs_grad(args, kwargs):
+            return func(*args, **kwargs)  # (a batch norm asks its input's dim() each call)
         if _compiling():  # (see _eagerly below)
             return _eagerly(self, func, types, args, kwargs)
-        kwargs = kwargs or {}
-        if not args or not _needs_grad(args, kwargs):
-            return func(*args, **kwargs)
         s = self.s
         top = top_hooks(False)
         if top is None or top[0] is not s.hook:  # a checkpointed region, save_on_cpu...
