@@ -112,12 +112,6 @@ def _storage_key(t: torch.Tensor, bits: object, bumps: int = 0) -> tuple:
             t.dtype, t._version + bumps, bits)
 
 
-def _whole_key_shaped(t: torch.Tensor) -> tuple:
-    """:func:`_storage_key` without version and bits: one key per view, whatever its value."""
-    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(),
-            t.dtype)
-
-
 def _whole_key(t: torch.Tensor) -> tuple:
     """What every contiguous view of all of ``t`` shares: storage, offset, size, dtype."""
     return (t.untyped_storage()._cdata, t.storage_offset(), t.numel(), t.dtype)
@@ -179,8 +173,7 @@ class _Session:
         if (self.stats_sink is None and self.autoprec is None
                 and t.numel() < level.min_numel):
             return t  # kept as it is, and nothing counts it (most calls: statistics, buffers)
-        if ((t.is_leaf and t.requires_grad) or parameter_like(t)
-                or (self.references and any(t is r for r in self.references))):
+        if parameter_like(t) or (self.references and any(t is r for r in self.references)):
             return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.count(t)
         if t.dtype == torch.bool:
@@ -256,7 +249,7 @@ class _Session:
         most of the hooks' work on a tensor kept as it is."""
         if self.stats_sink is None and self.autoprec is None:
             return True
-        key = _whole_key_shaped(t)
+        key = _storage_key(t, None)[:-2]  # (without version and bits: the view, any value)
         seen = self.seen.get(key)
         if seen is not None and not seen.expired():
             return False
@@ -286,7 +279,7 @@ class _Session:
 
     def forget(self, t: torch.Tensor) -> None:
         """``t``'s storage holds a new value (written over in place): count it again."""
-        self.seen.pop(_whole_key_shaped(t), None)
+        self.seen.pop(_storage_key(t, None)[:-2], None)
 
     def run_as(self, kind: str, func, args, kwargs):
         """Run ``func`` with its saved tensors packed at the level's ``kind`` bits."""

@@ -96,9 +96,7 @@ class FunctionMode(TorchFunctionMode):
         top = top_hooks(False)
         if top is None or top[0] is not s.hook:  # a checkpointed region, save_on_cpu...
             return func(*args, **kwargs)
-        ap = s.autoprec
-        if ap is not None and s.level.avg_bits is None:
-            ap = None  # (s.allocator(), inline on this path)
+        ap = s.allocator()
         if ap is None or not ap.collecting:
             out = self._run(func, args, kwargs)
             if ap is not None and ap.tracking:

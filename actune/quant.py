@@ -10,6 +10,7 @@ calls them runs under ``FakeTensorMode`` and passes ``torch.library.opcheck``.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from dataclasses import dataclass
@@ -96,16 +97,11 @@ def _cuda_launch(fn, *tensors, **kw):
     fn(*arrays, stream=stream, **kw)
 
 
-_CPU = None  # actune_kernels.cpu, once loaded (it compiles or loads kernels: not at import)
-
-
+@functools.cache
 def _cpu_kernels():
-    global _CPU
-    if _CPU is None:
-        from actune_kernels import cpu
+    from actune_kernels import cpu
 
-        _CPU = cpu
-    return _CPU
+    return cpu
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -178,12 +174,8 @@ def _unpack_impl(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size:
     """Dequantize to a 1-D tensor of ``numel`` elements of ``dtype``."""
     work = dtype if dtype in _KERNEL_DTYPES else torch.float32
     on_cpu = codes.is_cpu
-    if not on_cpu:
-        out = torch.empty(numel, dtype=work, device=codes.device)
-    elif numel * work.itemsize < HUGE_OUTPUT_BYTES:
-        out = torch.empty(numel, dtype=work)
-    else:
-        out = _empty_cpu(numel, work)
+    out = (_empty_cpu(numel, work) if on_cpu
+           else torch.empty(numel, dtype=work, device=codes.device))
     if numel:
         if on_cpu:
             _cpu_kernels().unpack(codes.numpy(), meta.numpy().view(np.uint16), bits, group_size,
@@ -273,18 +265,8 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, seed: int,
     """:func:`quantize` for a caller that has checked its arguments (the saved-tensor hooks,
     whose level checked its widths): ``seed`` < 0 draws one."""
     if type(x) is torch.Tensor and x.is_contiguous() and not _compiling():
-        if x.is_cpu and x.dtype in _KERNEL_DTYPES:  # the common case, in this one frame
-            n = x.numel()
-            groups = -(-n // group_size)  # (layout.num_groups and codes_nbytes, inline)
-            codes = torch.empty(groups * group_size * bits // 8, dtype=torch.uint8)
-            meta = torch.empty((groups, 2), dtype=torch.int16)
-            if n:
-                (_CPU or _cpu_kernels()).pack(
-                    x.detach().numpy().reshape(-1), codes.numpy(), meta.numpy().view(np.uint16),
-                    bits, group_size, seed if seed >= 0 else _draw_seed(), 0, stochastic,
-                    zero_code)
-        else:  # no flat view to make
-            codes, meta = _pack_impl(x.detach(), bits, group_size, seed, stochastic, zero_code)
+        # the common case, with no flat view to make
+        codes, meta = _pack_impl(x.detach(), bits, group_size, seed, stochastic, zero_code)
         p = _new(PackedTensor)  # (the frozen dataclass's own __init__ sets each field by a call)
         p.__dict__.update(codes=codes, meta=meta, bits=bits, group_size=group_size,
                           shape=x.shape, dtype=x.dtype, stride=x.stride(), zero_code=zero_code)
@@ -314,16 +296,8 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     """The tensor ``p`` was made from, up to quantization error: same shape, dtype, device and
     memory layout (strides)."""
     codes = p.codes
-    if type(codes) is torch.Tensor and not _compiling():
-        dtype = p.dtype
-        numel = p.numel()
-        if codes.is_cpu and dtype in _KERNEL_DTYPES and numel * dtype.itemsize < HUGE_OUTPUT_BYTES:
-            out = torch.empty(numel, dtype=dtype)  # the common case, in this one frame
-            if numel:
-                (_CPU or _cpu_kernels()).unpack(codes.numpy(), p.meta.numpy().view(np.uint16),
-                                                p.bits, p.group_size, out.numpy(), p.zero_code)
-            return out.as_strided(p.shape, p.stride)
-        return _unpack_impl(codes, p.meta, p.bits, p.group_size, numel, dtype,
+    if type(codes) is torch.Tensor and not _compiling():  # the common case
+        return _unpack_impl(codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype,
                             p.zero_code).as_strided(p.shape, p.stride)
     if _shapes_only(codes):  # an estimate: the output's storage in one operation
         return codes.new_empty_strided(p.shape, p.stride, dtype=p.dtype)
