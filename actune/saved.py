@@ -171,11 +171,9 @@ class Saved:
             packed = _to_device(self.packed, self.device, simulate=True)
         else:
             packed = self._from_host() if self.host else self.packed
-        if type(packed) is PackedTensor:  # (the common case first)
-            out = dequantize(packed)
-        elif isinstance(packed, torch.Tensor):
+        if isinstance(packed, torch.Tensor):
             return packed
-        elif isinstance(packed, PackedMask):
+        if isinstance(packed, PackedMask):
             out = unpack_mask(packed)
         elif isinstance(packed, PackedSamples | PackedRows):
             out = dequantize_samples(packed)
