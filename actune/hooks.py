@@ -124,6 +124,7 @@ class _Session:
     def __init__(self) -> None:
         self.levels: list[Level] = []
         self.level: Level | None = None  # the innermost level (levels[-1]), None outside
+        self.widths: dict[str | None, int | None] = {None: None}  # see _set_level
         self.holds = 0  # forward passes of compress()ed models that share one cache
         self.kind: str | None = None  # the level's bit width the running op's rule names
         self.op = None  # the function being run (None: outside any routed call)
@@ -140,7 +141,8 @@ class _Session:
         self.touched: list[int] | None = None  # allocator slots read by the op being run
         self.only_shape: torch.Size | None = None  # a norm: only tensors of its input's shape
         self.features = False  # the running op saves features-last tensors (feature_major)
-        self.references: tuple = ()  # a norm's other arguments (its buffers): references
+        # the ids of a norm's other arguments (its buffers): references
+        self.references: set[int] | tuple = ()
         self.last_matmul = None  # statistics steps: the last matmul call (output, func, args)
         # tensors a batch norm may write its result over, once (allow_overwrite)
         self.overwritable = WeakIdKeyDictionary()
@@ -164,23 +166,24 @@ class _Session:
 
     def bits_for(self, kind: str | None) -> int | None:
         """The level's bits for what an op of rule bits ``kind`` saves (None: exact)."""
-        return None if kind is None else _WIDTHS[kind](self.level)
+        return self.widths[kind]
 
     # -- hooks ---------------------------------------------------------------------------
 
     def pack_hook(self, t: torch.Tensor) -> object:
         level = self.level
-        if (self.stats_sink is None and self.autoprec is None
-                and t.numel() < level.min_numel):
+        n = t.numel()
+        counting = self.stats_sink is not None or self.autoprec is not None
+        if not counting and n < level.min_numel:
             return t  # kept as it is, and nothing counts it (most calls: statistics, buffers)
-        if parameter_like(t) or (self.references and any(t is r for r in self.references)):
+        if parameter_like(t) or id(t) in self.references:
             return t  # a parameter or a buffer (running statistics): costs nothing
-        new = self.count(t)
+        new = self.count(t) if counting else True
         if t.dtype == torch.bool:
-            if level.masks and t.numel() >= level.min_numel:
+            if level.masks and n >= level.min_numel:
                 return self._pack(t, None, "mask", lambda: pack_mask(t))
             return self._keep(t, new)
-        bits = self.bits_for(self.kind)
+        bits = self.widths[self.kind]  # (bits_for, inline)
         if self.derived and self.kind == _MATMUL and self.features and bits is not None:
             # a matmul with a weight: its backward reads this input for the weight's gradient
             # alone, so sharing the norm's rounding adds no product of one noise with itself
@@ -189,14 +192,14 @@ class _Session:
                 return derived
         if bits is None and self.op is None and _saved_by_checkpoint():
             bits = level.nonlinear_bits  # the region is recomputed from these: nonlinear
-            if bits is not None and t.is_floating_point() and t.numel() >= level.min_numel:
+            if bits is not None and t.is_floating_point() and n >= level.min_numel:
                 return self._pack(t, bits, _BOUNDARY)
             return self._keep(t, new, _BOUNDARY)
-        if bits is None or not t.is_floating_point() or t.numel() < level.min_numel:
+        if bits is None or not t.is_floating_point() or n < level.min_numel:
             return self._keep(t, new)
         if self.only_shape is not None and t.shape != self.only_shape:
             return self._keep(t, new)  # a norm's own statistics (mean, rstd): kept exact
-        ap = self.allocator()
+        ap = None if self.autoprec is None else self.allocator()
         by_feature = self.features and not (ap is not None and ap.splits_samples(t))
         if ap is not None:
             return self._pack_allocated(t, self.kind, by_feature)
@@ -465,11 +468,17 @@ class _Session:
                 torch.autograd.graph.saved_tensors_hooks(self.hook, self.unpack_hook))
             self._exit.enter_context(FunctionMode(self))
         self.levels.append(level)
+        self._set_level(level)
+
+    def _set_level(self, level: Level | None) -> None:
         self.level = level
+        # each rule-bits kind's width at this level, computed once (None: kept exact)
+        self.widths = {None: None} if level is None else {
+            None: None, **{kind: width(level) for kind, width in _WIDTHS.items()}}
 
     def pop(self) -> None:
         self.levels.pop()
-        self.level = self.levels[-1] if self.levels else None
+        self._set_level(self.levels[-1] if self.levels else None)
         if not self.levels:
             exit_stack, self._exit = self._exit, None
             if not self.holds:

@@ -7,6 +7,7 @@ mutable state: several models can train at different levels in one process.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import asdict, dataclass, replace
@@ -79,7 +80,7 @@ class Level:
             return None
         return self.sensitive_bits if self.sensitive_bits is not None else self.other_bits
 
-    @property
+    @functools.cached_property  # (read on every routed call; the level is frozen)
     def exact(self) -> bool:
         """True when nothing is compressed (plain PyTorch)."""
         return self.matmul_bits is None and self.other_bits is None and not self.masks

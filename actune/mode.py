@@ -22,6 +22,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
 from actune.autoprec import AutoPrecision
+from actune.quant import compiling as _compiling
 from actune.rules import RULES, funcs_of
 from actune.rules.matmuls import CONVS, PLAIN_CONVS
 from actune.substitutes import arg, as_tuple
@@ -56,12 +57,14 @@ def parameter_like(t: torch.Tensor) -> bool:
     if t.is_leaf:  # (a parameter is a leaf: most saved tensors skip the slow isinstance)
         return t.requires_grad or _is_parameter(t)
     base = t._base
-    if base is not None and _is_parameter(base):  # a transposed weight
-        return True
+    if base is not None:  # a view: of a weight (transposed) or of an autocast copy of one
+        if base.is_leaf:
+            return _is_parameter(base)
+        t = base
     fn = t.grad_fn  # an autocast copy of a parameter: ToCopyBackward0 -> AccumulateGrad
-    if fn is not None and fn.name() == "ToCopyBackward0":
+    if fn is not None and type(fn).__name__ == "ToCopyBackward0":  # (name() makes a string)
         nxt = fn.next_functions
-        return len(nxt) == 1 and nxt[0][0] is not None and nxt[0][0].name() == "AccumulateGrad"
+        return len(nxt) == 1 and type(nxt[0][0]).__name__ == "AccumulateGrad"
     return False
 
 
@@ -96,7 +99,7 @@ class FunctionMode(TorchFunctionMode):
         top = top_hooks(False)
         if top is None or top[0] is not s.hook:  # a checkpointed region, save_on_cpu...
             return func(*args, **kwargs)
-        ap = s.allocator()
+        ap = None if s.autoprec is None else s.allocator()
         if ap is None or not ap.collecting:
             out = self._run(func, args, kwargs)
             if ap is not None and ap.tracking:
@@ -125,7 +128,7 @@ class FunctionMode(TorchFunctionMode):
             # the tensor of the input's shape, may be rounded; its weight, bias and running
             # statistics are references
             only = args[0].shape
-            refs = (*args[1:], *kwargs.values())  # (the hook tests identity: all may stay)
+            refs = set(map(id, (*args[1:], *kwargs.values())))  # (identities: all may stay)
         s.kind, s.only_shape, s.references, s.op = (
             rule.bits if rule is not None else None, only, refs, func)
         # features last: a norm's input, or a matmul's activation times a weight (not two
@@ -184,7 +187,6 @@ class FunctionMode(TorchFunctionMode):
 #: every call under compressed() runs eagerly, so compression stays correct. Only a call that
 #: is being compiled takes this wrapper: eager code skips its cost (eight calls of its own).
 _eagerly = torch.compiler.disable(FunctionMode.__torch_function__, recursive=True)
-_compiling = torch.compiler.is_compiling
 
 
 def _coherent(last, h: torch.Tensor, gamma: torch.Tensor, dims) -> torch.Tensor | None:

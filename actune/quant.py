@@ -73,7 +73,16 @@ class PackedTensor:
 
 
 _new = object.__new__
-_compiling = torch.compiler.is_compiling
+
+
+if hasattr(torch.compiler, "_compile_session_context"):  # torch holds the flag while compiling
+    def compiling() -> bool:
+        """``torch.compiler.is_compiling()`` in one call: read from the flag torch holds for a
+        whole compile session, Dynamo's tracing included (outside TorchScript, the same)."""
+        return torch.compiler._is_compiling_flag
+else:
+    compiling = torch.compiler.is_compiling
+_compiling = compiling
 
 
 def _draw_seed() -> int:
@@ -102,6 +111,11 @@ def _cpu_kernels():
     from actune_kernels import cpu
 
     return cpu
+
+
+#: The kernels' dtypes as NumPy names them: the CPU kernels take buffers by address (reading a
+#: tensor's address costs a tenth of making a NumPy array of it).
+_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -144,8 +158,10 @@ def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochasti
         seed = _draw_seed()
     src = x if x.dtype in _KERNEL_DTYPES else x.float()
     if on_cpu:
-        _cpu_kernels().pack(src.numpy().reshape(-1), codes.numpy(), meta.numpy().view(np.uint16),
-                            bits, group_size, seed, 0, stochastic, zero_code)
+        if not src.is_contiguous():
+            src = src.contiguous()
+        _cpu_kernels().pack_at(src.data_ptr(), n, _NUMPY_DTYPES[src.dtype], codes.data_ptr(),
+                               meta.data_ptr(), bits, group_size, seed, 0, stochastic, zero_code)
     elif device.type == "cuda":
         from actune_kernels import cuda as kernels
 
@@ -178,8 +194,7 @@ def _unpack_impl(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size:
            else torch.empty(numel, dtype=work, device=codes.device))
     if numel:
         if on_cpu:
-            _cpu_kernels().unpack(codes.numpy(), meta.numpy().view(np.uint16), bits, group_size,
-                                  out.numpy(), zero_code)
+            _unpack_cpu(codes, meta, bits, group_size, out, numel, zero_code)
         elif codes.device.type == "cuda":
             from actune_kernels import cuda as kernels
 
@@ -190,6 +205,15 @@ def _unpack_impl(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size:
             raise NotImplementedError(
                 f"actune has kernels for CPU and CUDA tensors, not {codes.device}")
     return out if work == dtype else out.to(dtype)
+
+
+def _unpack_cpu(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
+                out: torch.Tensor, numel: int, zero_code: bool) -> None:
+    """Fill ``out`` (CPU, float32/64, dense in any layout: written in memory order)."""
+    if not (codes.is_contiguous() and meta.is_contiguous()):  # (a packed value built by hand)
+        codes, meta = codes.contiguous(), meta.contiguous()
+    _cpu_kernels().unpack_at(codes.data_ptr(), meta.data_ptr(), bits, group_size,
+                             out.data_ptr(), numel, _NUMPY_DTYPES[out.dtype], zero_code)
 
 
 _unpack_op = torch.library.custom_op("actune::unpack", mutates_args=())(_unpack_impl)
@@ -297,7 +321,13 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     memory layout (strides)."""
     codes = p.codes
     if type(codes) is torch.Tensor and not _compiling():  # the common case
-        return _unpack_impl(codes, p.meta, p.bits, p.group_size, p.numel(), p.dtype,
+        dtype = p.dtype
+        n = p.numel()
+        if codes.is_cpu and dtype in _KERNEL_DTYPES and 0 < n * dtype.itemsize < HUGE_OUTPUT_BYTES:
+            out = torch.empty_strided(p.shape, p.stride, dtype=dtype)  # written in its layout
+            _unpack_cpu(codes, p.meta, p.bits, p.group_size, out, n, p.zero_code)
+            return out
+        return _unpack_impl(codes, p.meta, p.bits, p.group_size, n, dtype,
                             p.zero_code).as_strided(p.shape, p.stride)
     if _shapes_only(codes):  # an estimate: the output's storage in one operation
         return codes.new_empty_strided(p.shape, p.stride, dtype=p.dtype)
@@ -404,7 +434,7 @@ def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
             parts.append((idx, quantize(rows.index_select(0, idx), bits,
                                         group_size=group_size, zero_code=zero_code)))
         return PackedSamples(tuple(parts), x.shape, x.dtype)
-    from actune_kernels import cpu as kernels
+    from actune_kernels import cpu_rows as kernels
 
     by_rank = torch.tensor([b for b, k in runs for _ in range(k)], dtype=torch.uint8)
     row_bits = torch.empty(n, dtype=torch.uint8)
@@ -425,7 +455,7 @@ def dequantize_samples(p: PackedSamples | PackedRows) -> torch.Tensor:
     """The tensor ``p`` was made from, up to quantization error (:class:`PackedRows`: same
     strides; :class:`PackedSamples`: contiguous)."""
     if isinstance(p, PackedRows):
-        from actune_kernels import cpu as kernels
+        from actune_kernels import cpu_rows as kernels
 
         numel = math.prod(p.shape)
         flat = torch.empty(numel, dtype=p.dtype)

@@ -24,6 +24,7 @@ import types
 import numba
 import numpy as np
 from numba import prange
+from numba.extending import intrinsic
 
 from . import layout
 from .cpu_scalar import SCALAR, order_key, random24_u32
@@ -241,9 +242,9 @@ def _group_at(bits, x, words, start, group_size, codes, at, meta, g, scratch, w1
             inf_key, seed, idx0, stochastic, zero_code)
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _pack(x, words, magnitude, inf_key, codes, meta, bits, group_size, seed, base, stochastic,
-          zero_code):  # pragma: no cover - jitted
+@numba.njit(inline="always")
+def _pack_groups(x, words, magnitude, inf_key, codes, meta, bits, group_size, seed, base,
+                 stochastic, zero_code):  # pragma: no cover - jitted
     groups = meta.shape[0]
     group_bytes = group_size * bits // 8
     for c in prange((groups + _CHUNK - 1) // _CHUNK):
@@ -254,6 +255,35 @@ def _pack(x, words, magnitude, inf_key, codes, meta, bits, group_size, seed, bas
             _group_at(bits, x, words, start, group_size, codes, g * group_bytes, meta, g,
                       scratch, w16, w32, w64, magnitude, inf_key, seed, base + start,
                       stochastic, zero_code)
+
+
+@intrinsic
+def _pointer(typingctx, address, like):
+    """The integer ``address`` as a pointer to values of ``like``'s type (a scalar)."""
+    if not isinstance(address, numba.types.Integer) or not isinstance(like, numba.types.Number):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return numba.types.CPointer(like)(address, like), codegen
+
+
+@numba.njit(inline="always")
+def _buffers(codes_at, meta_at, n, bits, group_size):  # pragma: no cover - jitted
+    """The codes (uint8) and metadata (uint16 [G, 2]) of ``n`` values, at these addresses."""
+    groups = (n + group_size - 1) // group_size
+    codes = numba.carray(_pointer(codes_at, np.uint8(0)), groups * (group_size * bits // 8))
+    return codes, numba.carray(_pointer(meta_at, np.uint16(0)), (groups, 2))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _pack(x_at, n, like, magnitude, inf_key, codes_at, meta_at, bits, group_size, seed, base,
+          stochastic, zero_code):  # pragma: no cover - jitted
+    codes, meta = _buffers(codes_at, meta_at, n, bits, group_size)
+    _pack_groups(numba.carray(_pointer(x_at, like), n), numba.carray(_pointer(x_at, magnitude), n),
+                 magnitude, inf_key, codes, meta, bits, group_size, seed, base, stochastic,
+                 zero_code)
 
 
 @numba.njit(inline="always")
@@ -286,8 +316,8 @@ def _unpack_group(src, ys, lo, scale, zero_code, bits):  # pragma: no cover - ji
         _unpack_bytes(src, ys, lo, scale, zero_code, 255, 1, 8)
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _unpack(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover - jitted
+@numba.njit(inline="always")
+def _unpack_groups(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover - jitted
     n = y.size
     t = y.dtype.type
     per = 8 // bits
@@ -306,6 +336,14 @@ def _unpack(codes, meta, bits, group_size, zero_code, y):  # pragma: no cover - 
                 ys[i] = _value(q, lo, scale, zero_code, t)
         else:
             _unpack_group(src, ys, lo, scale, zero_code, bits)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _unpack(codes_at, meta_at, bits, group_size, zero_code, out_at, n,
+            like):  # pragma: no cover - jitted
+    codes, meta = _buffers(codes_at, meta_at, n, bits, group_size)
+    _unpack_groups(codes, meta, bits, group_size, zero_code,
+                   numba.carray(_pointer(out_at, like), n))
 
 
 def _serial(kernel):
@@ -328,6 +366,42 @@ SERIAL_PACK = 8192
 SERIAL_UNPACK = 16384
 
 
+#: Per kernel dtype, a scalar of it: its pointers' element type in :func:`_pointer`.
+_LIKE = {np.dtype(np.float32): np.float32(0), np.dtype(np.float64): np.float64(0)}
+
+
+def pack_at(x_at: int, n: int, dtype: np.dtype, codes_at: int, meta_at: int, bits: int,
+            group_size: int, seed: int, base: int = 0, stochastic: bool = True,
+            zero_code: bool = False) -> None:
+    """:func:`pack` of buffers given by address: the ``n`` values of ``dtype`` at ``x_at``,
+    the codes at ``codes_at``, the metadata at ``meta_at``. For callers whose buffers are not
+    arrays (torch tensors): making an array of one costs about as much as allocating it, ten
+    times reading its address (docs/benchmarks.md). The caller vouches for every address:
+    contiguous, aligned, large enough, alive and written by nothing else during the call."""
+    if n:
+        _, magnitude, inf_key = _BITS[dtype]
+        kernel = _pack if n >= SERIAL_PACK else _pack_serial
+        kernel(x_at, n, _LIKE[dtype], magnitude, inf_key, codes_at, meta_at, bits, group_size,
+               seed, base, bool(stochastic), bool(zero_code))
+
+
+def unpack_at(codes_at: int, meta_at: int, bits: int, group_size: int, out_at: int, n: int,
+              dtype: np.dtype, zero_code: bool = False) -> None:
+    """:func:`unpack` of buffers given by address (as :func:`pack_at`): the ``n`` values of
+    ``dtype`` at ``out_at``."""
+    if n:
+        kernel = _unpack if n >= SERIAL_UNPACK else _unpack_serial
+        kernel(codes_at, meta_at, bits, group_size, bool(zero_code), out_at, n, _LIKE[dtype])
+
+
+def _address(a: np.ndarray, dtype=None) -> int:
+    """A C-contiguous array's address (of ``dtype``'s item size if given)."""
+    if not a.flags.c_contiguous or (dtype is not None and a.dtype.itemsize != dtype.itemsize):
+        raise ValueError(f"expected a C-contiguous array of {dtype or a.dtype}, got {a.dtype} "
+                         f"with strides {a.strides}")
+    return a.ctypes.data
+
+
 def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
          seed: int, base: int = 0, stochastic: bool = True, zero_code: bool = False) -> None:
     """Fill ``codes`` (uint8) and ``meta`` (uint16 [G, 2]) from 1-D float32/float64 ``x``.
@@ -335,73 +409,18 @@ def pack(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, bits: int, group_si
     ``base`` is the index of ``x[0]`` in the random stream ``seed``; ``zero_code`` reserves
     code 0 for exact zeros (for tensors >= 0, such as ReLU outputs; bits >= 2).
     """
-    n = x.size
-    if n:
-        view, magnitude, inf_key = _BITS[x.dtype]
-        kernel = _pack if n >= SERIAL_PACK else _pack_serial
-        kernel(x, x.view(view), magnitude, inf_key, codes, meta, bits, group_size,
-               np.int64(seed), np.int64(base), bool(stochastic), bool(zero_code))
+    if x.size:
+        x = np.ascontiguousarray(x)
+        pack_at(x.ctypes.data, x.size, x.dtype, _address(codes, _U8), _address(meta, _U16),
+                bits, group_size, seed, base, stochastic, zero_code)
 
 
 def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
            out: np.ndarray, zero_code: bool = False) -> None:
     """Fill 1-D float32/float64 ``out`` from ``codes`` and ``meta``."""
-    n = out.size
-    if n:
-        kernel = _unpack if n >= SERIAL_UNPACK else _unpack_serial
-        kernel(codes, meta, bits, group_size, bool(zero_code), out)
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _pack_rows(x, words, magnitude, inf_key, codes, meta, row_bits, row_offset, group_size,
-               seed, base, stochastic, zero_code):  # pragma: no cover - jitted
-    per_row = x.size // row_bits.size // group_size  # groups per row
-    groups = meta.shape[0]
-    for c in prange((groups + _CHUNK - 1) // _CHUNK):
-        scratch = np.empty(group_size, np.uint8)
-        w16, w32, w64 = scratch.view(np.uint16), scratch.view(np.uint32), scratch.view(np.uint64)
-        for g in range(c * _CHUNK, min((c + 1) * _CHUNK, groups)):
-            row = g // per_row
-            bits = np.int64(row_bits[row])
-            at = row_offset[row] + (g - row * per_row) * (group_size * bits // 8)
-            start = g * group_size
-            _group_at(bits, x, words, start, group_size, codes, at, meta, g, scratch, w16, w32,
-                      w64, magnitude, inf_key, seed, base + start, stochastic, zero_code)
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _unpack_rows(codes, meta, row_bits, row_offset, group_size, zero_code,
-                 y):  # pragma: no cover - jitted
-    t = y.dtype.type
-    per_row = y.size // row_bits.size // group_size
-    for g in prange(meta.shape[0]):
-        row = g // per_row
-        bits = np.int64(row_bits[row])
-        group_bytes = group_size * bits // 8
-        at = row_offset[row] + (g - row * per_row) * group_bytes
-        lo64, scale64 = _meta_values(meta[g, 0], meta[g, 1])
-        lo = t(lo64)
-        scale = t(scale64)
-        _unpack_group(codes[at:at + group_bytes], y[g * group_size:(g + 1) * group_size], lo,
-                      scale, zero_code, bits)
-
-
-def pack_rows(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, row_bits: np.ndarray,
-              row_offset: np.ndarray, group_size: int, seed: int, base: int = 0,
-              stochastic: bool = True, zero_code: bool = False) -> None:
-    """Pack 1-D ``x`` made of ``row_bits.size`` rows of whole groups, row ``r`` at
-    ``row_bits[r]`` bits, its codes at byte ``row_offset[r]`` of ``codes``. Each row's bytes
-    and metadata are those :func:`pack` gives the whole of ``x`` at that row's width."""
-    if x.size:
-        view, magnitude, inf_key = _BITS[x.dtype]
-        _pack_rows(x, x.view(view), magnitude, inf_key, codes, meta, row_bits, row_offset,
-                   group_size, np.int64(seed), np.int64(base), bool(stochastic),
-                   bool(zero_code))
-
-
-def unpack_rows(codes: np.ndarray, meta: np.ndarray, row_bits: np.ndarray,
-                row_offset: np.ndarray, group_size: int, out: np.ndarray,
-                zero_code: bool = False) -> None:
-    """Fill 1-D ``out`` from what :func:`pack_rows` wrote."""
     if out.size:
-        _unpack_rows(codes, meta, row_bits, row_offset, group_size, bool(zero_code), out)
+        unpack_at(_address(codes, _U8), _address(meta, _U16), bits, group_size, _address(out),
+                  out.size, out.dtype, zero_code)
+
+
+_U8, _U16 = np.dtype(np.uint8), np.dtype(np.uint16)

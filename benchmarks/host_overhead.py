@@ -17,22 +17,34 @@ printed (a noisy machine slows neighbouring steps alike), in this thread's CPU t
 torch's default thread count unless ``--threads`` sets one. The Python calls a step makes
 (a profile hook counts them) are printed too: a count the machine's noise does not move.
 
+``--instructions`` counts instead the instructions each step executes, under Valgrind's
+callgrind (one process per step kind, on one thread: a thread pool's waiting would count;
+``--steps`` steps counted after five): the same two differences, free of the machine's noise,
+for comparing versions on a shared host (run the script with ``PYTHONPATH`` at another
+checkout for its figures; the kernels are stubbed in either).
+
     python benchmarks/host_overhead.py [--batch 8] [--resolution 8] [--rounds 60]
+    python benchmarks/host_overhead.py --instructions [--steps 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 import actune
 from actune.zoo import resnet
-from actune_kernels import cpu
 
 #: The step clock: this thread's CPU time (``time.perf_counter`` for wall time).
 CLOCK = time.thread_time
@@ -40,11 +52,19 @@ CLOCK = time.thread_time
 
 def no_op_kernels() -> None:
     """Make the CPU kernels return at once: the wrappers still allocate their outputs and
-    convert their arguments, as they do around the real kernels."""
+    convert their arguments, as they do around the real kernels (whichever entry points the
+    version running has)."""
     def nothing(*args, **kwargs) -> None:
         return None
 
-    cpu.pack = cpu.unpack = cpu.pack_rows = cpu.unpack_rows = nothing
+    for module in ("cpu", "cpu_rows"):
+        try:
+            kernels = importlib.import_module(f"actune_kernels.{module}")
+        except ImportError:
+            continue
+        for name in ("pack", "unpack", "pack_at", "unpack_at", "pack_rows", "unpack_rows"):
+            if hasattr(kernels, name):
+                setattr(kernels, name, nothing)
 
 
 def python_calls(fn) -> int:
@@ -64,14 +84,9 @@ def python_calls(fn) -> int:
     return count
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--resolution", type=int, default=8)
-    parser.add_argument("--level", default="L3")
-    parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    args = parser.parse_args()
+def make_step(args: argparse.Namespace, found: list):
+    """The model and batch of ``args`` and a function running one step of them at a level
+    (with a statistics sink appending to ``found`` if asked); returns its CPU time."""
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,7 +94,6 @@ def main() -> None:
     model = resnet(18, num_classes=10)  # any input size
     x = torch.randn(args.batch, 3, args.resolution, args.resolution)
     y = torch.randint(0, 10, (args.batch,))
-    found: list[actune.CompressionStats] = []
 
     def step(level: str, stats: bool) -> float:
         t = CLOCK()
@@ -90,6 +104,12 @@ def main() -> None:
         return CLOCK() - t
 
     no_op_kernels()
+    return step
+
+
+def timed(args: argparse.Namespace) -> None:
+    found: list[actune.CompressionStats] = []
+    step = make_step(args, found)
     runs = [("L0", False), (args.level, False), ("L0", True), (args.level, True)]
     for _ in range(3):
         for run in runs:
@@ -109,6 +129,80 @@ def main() -> None:
           f"statistics); Python calls a step: plain {calls[runs[0]]:,}, {args.level} "
           f"{calls[runs[1]]:,} ({(calls[runs[1]] - calls[runs[0]]) / packed:.0f} a saved "
           f"tensor)")
+
+
+def _callgrind(*command: str) -> None:
+    subprocess.run(["callgrind_control", *command, str(os.getpid())], check=True,
+                   capture_output=True)
+
+
+def counted_child(args: argparse.Namespace) -> None:
+    """Under callgrind (started with instrumentation off): five steps, then ``--steps``
+    instrumented and dumped; prints the tensors packed a step (a statistics step's)."""
+    level, stats = args.count_child[0], args.count_child[1] == "1"
+    found: list[actune.CompressionStats] = []
+    step = make_step(args, found)
+    for _ in range(5):
+        step(level, True)
+    found.clear()
+    _callgrind("--instr=on")
+    for _ in range(args.steps):
+        step(level, stats)
+    _callgrind("--dump=steps")
+    step(level, True)
+    print(found[-1].packed)
+
+
+def counted(args: argparse.Namespace) -> None:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        sys.exit("--instructions needs Valgrind (valgrind and callgrind_control on PATH)")
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
+           "NUMBA_NUM_THREADS": "1"}
+    counts, packed = {}, 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for level in ("L0", args.level):
+            for stats in ("0", "1"):
+                out = Path(tmp) / f"{level}-{stats}"
+                done = subprocess.run(
+                    ["valgrind", "--tool=callgrind", "-q", "--instr-atstart=no",
+                     "--separate-threads=yes", f"--callgrind-out-file={out}.%p",
+                     sys.executable, __file__, "--count-child", level, stats,
+                     "--steps", str(args.steps), "--batch", str(args.batch),
+                     "--resolution", str(args.resolution), "--threads", "1"],
+                    env=env, capture_output=True, text=True, check=True)
+                packed = max(packed, int(done.stdout.split()[-1]))
+                dump = next(Path(tmp).glob(f"{out.name}.*.1-01"))  # the main thread's
+                summary = next(line for line in dump.read_text().splitlines()
+                               if line.startswith("summary:"))
+                counts[level, stats] = int(summary.split()[1]) / args.steps
+    use = (counts[args.level, "0"] - counts["L0", "0"]) / packed
+    accounting = (counts[args.level, "1"] - counts["L0", "1"]) / packed
+    print(f"resnet18 {args.resolution}x{args.resolution}, batch {args.batch}, 1 thread, "
+          f"{args.steps} steps counted: {packed} tensors packed a step; instructions a step: "
+          f"plain {counts['L0', '0'] / 1e6:.2f}M, {args.level} "
+          f"{counts[args.level, '0'] / 1e6:.2f}M; per saved tensor {use / 1e3:.1f}k (use: "
+          f"{args.level} against plain PyTorch), {accounting / 1e3:.1f}k (accounting: both "
+          f"with statistics)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--resolution", type=int, default=8)
+    parser.add_argument("--level", default="L3")
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions under Valgrind instead of timing")
+    parser.add_argument("--steps", type=int, default=4, help="steps counted (--instructions)")
+    parser.add_argument("--count-child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.count_child:
+        counted_child(args)
+    elif args.instructions:
+        counted(args)
+    else:
+        timed(args)
 
 
 if __name__ == "__main__":

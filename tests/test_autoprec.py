@@ -145,7 +145,7 @@ def test_per_sample_packing_gives_each_sample_its_bits(channels):
 
 
 def test_rows_kernel_writes_the_bytes_of_uniform_packing_row_by_row():
-    from actune_kernels import cpu
+    from actune_kernels import cpu, cpu_rows
 
     rng = np.random.default_rng(0)
     n, m, group = 8, 1024, 256
@@ -159,7 +159,7 @@ def test_rows_kernel_writes_the_bytes_of_uniform_packing_row_by_row():
         src = np.abs(x) if zero_code else x
         codes = np.zeros(int(sizes.sum()), np.uint8)
         meta = np.zeros((n * m // group, 2), np.uint16)
-        cpu.pack_rows(src, codes, meta, bits_used, offsets, group, 7, 3, True, zero_code)
+        cpu_rows.pack_rows(src, codes, meta, bits_used, offsets, group, 7, 3, True, zero_code)
         for b in (1, 2, 4, 8):
             if zero_code and b == 1:
                 continue
@@ -172,7 +172,7 @@ def test_rows_kernel_writes_the_bytes_of_uniform_packing_row_by_row():
                 rows = slice(r * m // group, (r + 1) * m // group)
                 assert (whole_meta[rows] == meta[rows]).all()
         out = np.empty_like(src)
-        cpu.unpack_rows(codes, meta, bits_used, offsets, group, out, zero_code)
+        cpu_rows.unpack_rows(codes, meta, bits_used, offsets, group, out, zero_code)
         assert (out[src == 0] == 0).all() if zero_code else True
 
 

@@ -1,5 +1,7 @@
 """quantize() / dequantize(): the torch-facing API."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -213,3 +215,28 @@ def test_large_cpu_outputs_in_their_own_mapping_hold_the_same_values(monkeypatch
     assert got.untyped_storage().data_ptr() % 4096 == 0  # its own mapping, page-aligned
     (got * 2).sum().item()  # usable as any tensor
     assert quant._empty_cpu(10, torch.float64).dtype == torch.float64  # small: torch.empty
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_view_at_a_storage_offset_packs_its_own_values(dtype):
+    base = torch.randn(3, 700, dtype=torch.float64)
+    x = base.to(dtype)[1]  # a contiguous view 700 elements into its storage
+    assert x.storage_offset() == 700 and x.is_contiguous()
+    p = actune.quantize(x, 4, seed=5)
+    codes, meta = ref.pack(x.double().numpy() if dtype is torch.bfloat16 else x.numpy(), 4, 256,
+                           5)
+    np.testing.assert_array_equal(p.meta.numpy().view(np.uint16), meta)
+    np.testing.assert_array_equal(p.codes.numpy(), codes)
+    y = actune.dequantize(p)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert (y.double() - x.double()).abs().max() <= max_step(p) + 0.02
+
+
+def test_packed_buffers_that_are_not_contiguous_are_read_as_their_values():
+    x = torch.randn(3, 700)
+    p = actune.quantize(x, 4, seed=1)
+    meta_t = p.meta.t().contiguous().t()  # the same values, column-major
+    codes_s = torch.stack([p.codes, p.codes], 1)[:, 0]  # the same values, stride 2
+    assert not meta_t.is_contiguous() and not codes_s.is_contiguous()
+    q = dataclasses.replace(p, codes=codes_s, meta=meta_t)
+    assert torch.equal(actune.dequantize(q), actune.dequantize(p))

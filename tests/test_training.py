@@ -419,6 +419,24 @@ def test_autocast_activations_are_compressed_not_passed_through(dtype):
     assert st[0].packed > 0 and st[0].ratio > 5
 
 
+def test_an_autocast_copy_of_a_weight_is_kept_exact():
+    """The bfloat16 copy autocast makes of a weight (ToCopyBackward0 -> AccumulateGrad) is a
+    parameter for the hooks: the input's gradient, read from it, is exactly autocast's own."""
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    grads, stats = [], []
+    for level in ("L0", "L3"):
+        with (torch.autocast("cpu", dtype=torch.bfloat16),
+              actune.compressed(level, stats=stats.append)):
+            loss = layer(x * 1).float().sum()  # (an activation's copy; nothing saved above)
+        x.grad = None
+        loss.backward()
+        grads.append(x.grad.clone())
+    assert stats[1].packed == 1  # the input's copy, read only for the weight's gradient
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_a_training_step_runs_under_fake_tensor_mode():
     with FakeTensorMode(), torch.device("cpu"):
         model = compress(zoo.resnet(18), "L3")

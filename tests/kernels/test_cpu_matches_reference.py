@@ -102,14 +102,13 @@ def test_one_thread_and_the_pool_give_the_same_bytes_around_the_size_switch(n):
     x = (rng.standard_normal(n) * 3).astype(np.float32)
     assert_same(x, 2, base=2**32 - 1000)  # a group crossing a 2**32 stream boundary too
     c, m = pack_cpu(x, 4, 256, 3)
-    words = x.view(np.int32)
-    args = (x, words, np.int32(0x7FFFFFFF), np.int32(0x7F800000))
+    args = (x.ctypes.data, n, np.float32(0), np.int32(0x7FFFFFFF), np.int32(0x7F800000))
     for kernel in (cpu._pack, cpu._pack_serial):
         c2, m2 = np.zeros_like(c), np.zeros_like(m)
-        kernel(*args, c2, m2, 4, 256, np.int64(3), np.int64(0), True, False)
+        kernel(*args, c2.ctypes.data, m2.ctypes.data, 4, 256, 3, 0, True, False)
         np.testing.assert_array_equal(c2, c)
         np.testing.assert_array_equal(m2, m)
     outs = [np.empty(n, np.float32) for _ in range(2)]
-    cpu._unpack(c, m, 4, 256, False, outs[0])
-    cpu._unpack_serial(c, m, 4, 256, False, outs[1])
+    for kernel, out in zip((cpu._unpack, cpu._unpack_serial), outs, strict=True):
+        kernel(c.ctypes.data, m.ctypes.data, 4, 256, False, out.ctypes.data, n, np.float32(0))
     np.testing.assert_array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))

@@ -142,7 +142,7 @@ def test_small_q_k_v_are_packed_and_read_in_one_kernel_call_each_way(monkeypatch
     from actune_kernels import cpu, cpu_segments
 
     calls = []
-    for module, name in ((cpu, "pack"), (cpu, "unpack"), (cpu_segments, "pack_segments"),
+    for module, name in ((cpu, "pack_at"), (cpu, "unpack_at"), (cpu_segments, "pack_segments"),
                          (cpu_segments, "unpack_segments")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (
@@ -157,4 +157,4 @@ def test_small_q_k_v_are_packed_and_read_in_one_kernel_call_each_way(monkeypatch
     calls.clear()
     big = qkv(seq=128)  # 16,384 elements each: a call each, no shared copy
     input_grads(fn, big, level(8, nonlinear_bits=8), 1)
-    assert sorted(calls) == ["pack"] * 3 + ["unpack"] * 3
+    assert sorted(calls) == ["pack_at"] * 3 + ["unpack_at"] * 3
