@@ -164,10 +164,6 @@ class _Session:
         level = self.level
         return ap if ap is not None and level is not None and level.avg_bits is not None else None
 
-    def bits_for(self, kind: str | None) -> int | None:
-        """The level's bits for what an op of rule bits ``kind`` saves (None: exact)."""
-        return self.widths[kind]
-
     # -- hooks ---------------------------------------------------------------------------
 
     def pack_hook(self, t: torch.Tensor) -> object:
@@ -183,7 +179,7 @@ class _Session:
             if level.masks and n >= level.min_numel:
                 return self._pack(t, None, "mask", lambda: pack_mask(t))
             return self._keep(t, new)
-        bits = self.widths[self.kind]  # (bits_for, inline)
+        bits = self.widths[self.kind]  # the level's bits for what this op saves (None: exact)
         if self.derived and self.kind == _MATMUL and self.features and bits is not None:
             # a matmul with a weight: its backward reads this input for the weight's gradient
             # alone, so sharing the norm's rounding adds no product of one noise with itself
@@ -473,8 +469,8 @@ class _Session:
     def _set_level(self, level: Level | None) -> None:
         self.level = level
         # each rule-bits kind's width at this level, computed once (None: kept exact)
-        self.widths = {None: None} if level is None else {
-            None: None, **{kind: width(level) for kind, width in _WIDTHS.items()}}
+        self.widths = {None: None, **({} if level is None else {
+            kind: width(level) for kind, width in _WIDTHS.items()})}
 
     def pop(self) -> None:
         self.levels.pop()

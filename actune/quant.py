@@ -82,7 +82,6 @@ if hasattr(torch.compiler, "_compile_session_context"):  # torch holds the flag 
         return torch.compiler._is_compiling_flag
 else:
     compiling = torch.compiler.is_compiling
-_compiling = compiling
 
 
 def _draw_seed() -> int:
@@ -158,8 +157,7 @@ def _pack_impl(x: torch.Tensor, bits: int, group_size: int, seed: int, stochasti
         seed = _draw_seed()
     src = x if x.dtype in _KERNEL_DTYPES else x.float()
     if on_cpu:
-        if not src.is_contiguous():
-            src = src.contiguous()
+        src = src.contiguous()  # (itself when it is)
         _cpu_kernels().pack_at(src.data_ptr(), n, _NUMPY_DTYPES[src.dtype], codes.data_ptr(),
                                meta.data_ptr(), bits, group_size, seed, 0, stochastic, zero_code)
     elif device.type == "cuda":
@@ -210,8 +208,7 @@ def _unpack_impl(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size:
 def _unpack_cpu(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
                 out: torch.Tensor, numel: int, zero_code: bool) -> None:
     """Fill ``out`` (CPU, float32/64, dense in any layout: written in memory order)."""
-    if not (codes.is_contiguous() and meta.is_contiguous()):  # (a packed value built by hand)
-        codes, meta = codes.contiguous(), meta.contiguous()
+    codes, meta = codes.contiguous(), meta.contiguous()  # (a packed value built by hand)
     _cpu_kernels().unpack_at(codes.data_ptr(), meta.data_ptr(), bits, group_size,
                              out.data_ptr(), numel, _NUMPY_DTYPES[out.dtype], zero_code)
 
@@ -231,12 +228,12 @@ def _fake_unpack(codes, meta, bits, group_size, numel, dtype, zero_code):
 def _plain(t: torch.Tensor) -> bool:
     """Eager, real tensors call the kernels directly (the same function the op registers),
     skipping the dispatcher's overhead; fake tensors and traced code go through the op."""
-    return type(t) is torch.Tensor and not torch.compiler.is_compiling()
+    return type(t) is torch.Tensor and not compiling()
 
 
 def _shapes_only(t: torch.Tensor) -> bool:
     """A fake tensor outside tracing (an estimate): only shapes and bytes matter."""
-    return isinstance(t, FakeTensor) and not torch.compiler.is_compiling()
+    return isinstance(t, FakeTensor) and not compiling()
 
 
 def _storage_order(x: torch.Tensor) -> torch.Tensor | None:
@@ -288,7 +285,7 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, seed: int,
                      stochastic: bool = True, zero_code: bool = False) -> PackedTensor:
     """:func:`quantize` for a caller that has checked its arguments (the saved-tensor hooks,
     whose level checked its widths): ``seed`` < 0 draws one."""
-    if type(x) is torch.Tensor and x.is_contiguous() and not _compiling():
+    if type(x) is torch.Tensor and x.is_contiguous() and not compiling():
         # the common case, with no flat view to make
         codes, meta = _pack_impl(x.detach(), bits, group_size, seed, stochastic, zero_code)
         p = _new(PackedTensor)  # (the frozen dataclass's own __init__ sets each field by a call)
@@ -320,7 +317,7 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     """The tensor ``p`` was made from, up to quantization error: same shape, dtype, device and
     memory layout (strides)."""
     codes = p.codes
-    if type(codes) is torch.Tensor and not _compiling():  # the common case
+    if type(codes) is torch.Tensor and not compiling():  # the common case
         dtype = p.dtype
         n = p.numel()
         if codes.is_cpu and dtype in _KERNEL_DTYPES and 0 < n * dtype.itemsize < HUGE_OUTPUT_BYTES:

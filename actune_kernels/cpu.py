@@ -368,6 +368,7 @@ SERIAL_UNPACK = 16384
 
 #: Per kernel dtype, a scalar of it: its pointers' element type in :func:`_pointer`.
 _LIKE = {np.dtype(np.float32): np.float32(0), np.dtype(np.float64): np.float64(0)}
+_U8, _U16 = np.dtype(np.uint8), np.dtype(np.uint16)
 
 
 def pack_at(x_at: int, n: int, dtype: np.dtype, codes_at: int, meta_at: int, bits: int,
@@ -421,6 +422,3 @@ def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, group_size: int,
     if out.size:
         unpack_at(_address(codes, _U8), _address(meta, _U16), bits, group_size, _address(out),
                   out.size, out.dtype, zero_code)
-
-
-_U8, _U16 = np.dtype(np.uint8), np.dtype(np.uint16)

@@ -11,6 +11,8 @@ from numba import prange
 from .cpu import _BITS, _CHUNK, _group_at, _meta_values, _unpack_group
 
 __all__ = ["pack_rows", "unpack_rows"]
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _pack_rows(x, words, magnitude, inf_key, codes, meta, row_bits, row_offset, group_size,
                seed, base, stochastic, zero_code):  # pragma: no cover - jitted
@@ -50,7 +52,7 @@ def pack_rows(x: np.ndarray, codes: np.ndarray, meta: np.ndarray, row_bits: np.n
               stochastic: bool = True, zero_code: bool = False) -> None:
     """Pack 1-D ``x`` made of ``row_bits.size`` rows of whole groups, row ``r`` at
     ``row_bits[r]`` bits, its codes at byte ``row_offset[r]`` of ``codes``. Each row's bytes
-    and metadata are those :func:`pack` gives the whole of ``x`` at that row's width."""
+    and metadata are those :func:`.cpu.pack` gives the whole of ``x`` at that row's width."""
     if x.size:
         view, magnitude, inf_key = _BITS[x.dtype]
         _pack_rows(x, x.view(view), magnitude, inf_key, codes, meta, row_bits, row_offset,

@@ -35,6 +35,11 @@ def test_an_address_inside_a_buffer_packs_the_values_from_there(n, offset):
 def test_zero_elements_touch_nothing():
     cpu.pack_at(0, 0, np.dtype(np.float32), 0, 0, 2, 256, 1)  # null addresses: never read
     cpu.unpack_at(0, 0, 2, 256, 0, 0, np.dtype(np.float64))
+    codes, meta = np.full(64, 0xAA, np.uint8), np.full((1, 2), 0xAAAA, np.uint16)
+    out = np.full(4, 99.0)
+    cpu.pack_at(out.ctypes.data, 0, out.dtype, codes.ctypes.data, meta.ctypes.data, 2, 256, 1)
+    cpu.unpack_at(codes.ctypes.data, meta.ctypes.data, 2, 256, out.ctypes.data, 0, out.dtype)
+    assert (codes == 0xAA).all() and (meta == 0xAAAA).all() and (out == 99.0).all()
 
 
 def test_a_strided_input_array_is_packed_as_its_values():
