@@ -8,7 +8,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from .cpu import _BITS, _CHUNK, _group_at, _meta_values, _unpack_group
+from .cpu import _meta_values, _unpack_group
+from .cpu_groups import _BITS, _CHUNK, _groups_at
 
 __all__ = ["pack_rows", "unpack_rows"]
 
@@ -19,15 +20,17 @@ def _pack_rows(x, words, magnitude, inf_key, codes, meta, row_bits, row_offset, 
     per_row = x.size // row_bits.size // group_size  # groups per row
     groups = meta.shape[0]
     for c in prange((groups + _CHUNK - 1) // _CHUNK):
-        scratch = np.empty(group_size, np.uint8)
-        w16, w32, w64 = scratch.view(np.uint16), scratch.view(np.uint32), scratch.view(np.uint64)
-        for g in range(c * _CHUNK, min((c + 1) * _CHUNK, groups)):
+        g = c * _CHUNK
+        last = min(g + _CHUNK, groups)
+        while g < last:  # one run of groups a row
             row = g // per_row
+            end = min(last, (row + 1) * per_row)
             bits = np.int64(row_bits[row])
             at = row_offset[row] + (g - row * per_row) * (group_size * bits // 8)
             start = g * group_size
-            _group_at(bits, x, words, start, group_size, codes, at, meta, g, scratch, w16, w32,
-                      w64, magnitude, inf_key, seed, base + start, stochastic, zero_code)
+            _groups_at(bits, x, words, g, end, start, group_size, codes, at, meta, magnitude,
+                       inf_key, seed, base + start, stochastic, zero_code)
+            g = end
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)

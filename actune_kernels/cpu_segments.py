@@ -19,7 +19,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from .cpu import _BITS, _CHUNK, SERIAL_PACK, SERIAL_UNPACK, _group_at, _serial, _unpack_group
+from .cpu import SERIAL_PACK, SERIAL_UNPACK, _serial, _unpack_group
+from .cpu_groups import _BITS, _CHUNK, _groups_at
 from .cpu_scalar import SCALAR
 
 __all__ = ["pack_segments", "segment_table", "unpack_segments"]
@@ -44,21 +45,21 @@ def _pack_segments(x, words, magnitude, inf_key, codes, meta, table, group_size,
     start, group, codes_at, seg_bits, seg_zero = table[0], table[1], table[2], table[3], table[4]
     groups = meta.shape[0]
     for c in prange((groups + _CHUNK - 1) // _CHUNK):
-        scratch = np.empty(group_size, np.uint8)
-        w16, w32, w64 = scratch.view(np.uint16), scratch.view(np.uint32), scratch.view(np.uint64)
-        first = c * _CHUNK
-        s = np.searchsorted(group, first, side="right") - 1
-        for g in range(first, min(first + _CHUNK, groups)):
+        g = c * _CHUNK
+        last = min(g + _CHUNK, groups)
+        s = np.searchsorted(group, g, side="right") - 1
+        while g < last:  # one run of groups a segment
             while g >= group[s + 1]:  # (empty segments own no group: skipped here)
                 s += 1
+            end = min(last, group[s + 1])
             bits = seg_bits[s]
             local = g - group[s]
             at = codes_at[s] + local * (group_size * bits // 8)
             begin = start[s] + local * group_size
-            end = start[s + 1]  # the segment's last group ends with it
-            _group_at(bits, x[:end], words[:end], begin, group_size, codes, at, meta, g,
-                      scratch, w16, w32, w64, magnitude, inf_key, seed, begin, stochastic,
-                      seg_zero[s] != 0)
+            stop = start[s + 1]  # the segment's last group ends with it
+            _groups_at(bits, x[:stop], words[:stop], g, end, begin, group_size, codes, at,
+                       meta, magnitude, inf_key, seed, begin, stochastic, seg_zero[s] != 0)
+            g = end
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)

@@ -3,10 +3,13 @@ torch's clone of the same tensor and a pure-torch implementation of the same qua
 all measured in one run on one tensor (ratios, not absolute timings, are the result).
 
     python benchmarks/kernels.py [--numel 67108864] [--repeat 5] [--isa all|native|avx2]
+                                 [--threads N]
 
 ``--isa all`` (the default) runs the measurement once per code generation target in its own
 process: the host's own (``native``, AVX-512 where the host has it) and AVX2 (numba told to
 compile for a Haswell without AVX-512), so one run shows what CPUs without AVX-512 get.
+``--threads 1`` runs torch and the kernels on one thread: the kernels' own cost per element
+(ns/elem), apart from how a shared host's other cores happen to be loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import time
 
+import numba
 import numpy as np
 import torch
 from rich.console import Console
@@ -62,15 +66,20 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=64 * 2**20)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--isa", default="all", choices=("all", *isa.TARGETS))
+    parser.add_argument("--threads", type=int, default=0,
+                        help="threads for torch and the kernels (default: all)")
     args = parser.parse_args()
     if args.isa == "all":
         for target in isa.TARGETS:
             if target == "avx2" and not isa.has("avx2"):
                 continue
             cmd = [sys.executable, __file__, "--numel", str(args.numel), "--repeat",
-                   str(args.repeat), "--isa", target]
+                   str(args.repeat), "--isa", target, "--threads", str(args.threads)]
             subprocess.run(cmd, check=True, env={**os.environ, **isa.codegen_env(target)})
         return
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+        numba.set_num_threads(args.threads)
     n = args.numel - args.numel % GROUP
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     xn = x.numpy()
@@ -104,8 +113,10 @@ def main() -> None:
     table.add_column("operation")
     table.add_column("Gelem/s", justify="right")
     table.add_column("x clone", justify="right")
+    table.add_column("ns/elem", justify="right")
     for name, seconds in rows:
-        table.add_row(name, f"{n / seconds / 1e9:.2f}", f"{clone_s / seconds:.2f}")
+        table.add_row(name, f"{n / seconds / 1e9:.2f}", f"{clone_s / seconds:.2f}",
+                      f"{seconds / n * 1e9:.3f}")
     Console().print(table)
     secs = dict(rows)
     print(f"2-bit pack vs pure torch:   {secs['pure-torch pack 2-bit'] / secs['pack 2-bit']:.1f}x")

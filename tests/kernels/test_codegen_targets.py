@@ -38,17 +38,16 @@ def test_avx2_code_matches_reference():
 
 _ASM_PROBE = """
 import numpy as np
-from actune_kernels import cpu
+from actune_kernels import cpu, cpu_groups
 x = np.linspace(-1, 1, 4096, dtype=np.float32)
 words = x.view(np.int32)
 codes = np.zeros(4096, np.uint8)
-cpu.pack(x, codes, np.zeros((16, 2), np.uint16), 2, 256, 1)  # compiles the helpers
-for name, fn in (("min_max", cpu._min_max), ("codes", cpu._codes_stochastic)):
-    for sig, asm in fn.inspect_asm().items():
-        if "float32" in str(sig) or "int32" in str(sig):
-            low = asm.lower()
-            print(name, "gathers", low.count("gather"), "minsd", low.count("vpminsd"),
-                  "minsq", low.count("vpminsq"))
+cpu.pack(x, codes, np.zeros((16, 2), np.uint16), 2, 256, 1)  # compiles the 2-bit run
+for sig, asm in cpu_groups._G2.inspect_asm().items():  # min/max and codes loops inlined in it
+    if "float32" in str(sig):
+        low = asm.lower()
+        print("run", "gathers", low.count("gather"), "minsd", low.count("vpminsd"),
+              "minsq", low.count("vpminsq"), "mulld", low.count("vpmulld"))
 """
 
 
@@ -56,16 +55,18 @@ for name, fn in (("min_max", cpu._min_max), ("codes", cpu._codes_stochastic)):
 @pytest.mark.parametrize("target", ["native", "avx2"])
 def test_pack_loops_load_contiguously_in_32_bit_lanes(tmp_path, target):
     """The pack kernel's loops vectorize as written: contiguous loads (no gathers, which
-    Numba's negative-index wrap-around used to force) and float32 keys in 32-bit lanes."""
+    Numba's negative-index wrap-around used to force), float32 keys and the random stream in
+    32-bit lanes (vector 32-bit min and multiply, no 64-bit min)."""
     env = {**os.environ, **isa.codegen_env(target), "NUMBA_CACHE_DIR": str(tmp_path)}
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     done = subprocess.run([sys.executable, "-c", _ASM_PROBE], env=env, capture_output=True,
                           text=True, timeout=600, check=True)
     rows = {line.split()[0]: [int(v) for v in line.split()[2::2]]
             for line in done.stdout.splitlines() if line.strip()}
-    assert set(rows) == {"min_max", "codes"}, done.stdout + done.stderr[-2000:]
-    assert rows["min_max"][0] == 0 and rows["codes"][0] == 0, done.stdout
-    assert rows["min_max"][1] > 0 and rows["min_max"][2] == 0, done.stdout
+    assert set(rows) == {"run"}, done.stdout + done.stderr[-2000:]
+    gathers, min32, min64, mul32 = rows["run"]
+    assert gathers == 0 and min64 == 0, done.stdout
+    assert min32 > 0 and mul32 > 0, done.stdout  # the min/max keys and the random stream
 
 
 _PARALLEL_PROBE = """
