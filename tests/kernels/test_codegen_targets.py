@@ -38,11 +38,13 @@ def test_avx2_code_matches_reference():
 
 _ASM_PROBE = """
 import numpy as np
-from actune_kernels import cpu, cpu_groups
+from actune_kernels import cpu_groups
 x = np.linspace(-1, 1, 4096, dtype=np.float32)
-words = x.view(np.int32)
-codes = np.zeros(4096, np.uint8)
-cpu.pack(x, codes, np.zeros((16, 2), np.uint16), 2, 256, 1)  # compiles the 2-bit run
+codes, meta = np.zeros(1024, np.uint8), np.zeros((16, 2), np.uint16)
+_, magnitude, inf_key = cpu_groups._BITS[x.dtype]
+# the 2-bit run alone, called as the kernels call it (compiling every width would take longer)
+cpu_groups._G2(x, x.view(np.int32), 0, 16, 0, 256, codes, 0, meta, magnitude, inf_key, 1, 0,
+               True, True)
 for sig, asm in cpu_groups._G2.inspect_asm().items():  # min/max and codes loops inlined in it
     if "float32" in str(sig):
         low = asm.lower()
