@@ -14,8 +14,7 @@ word at a time. The loops are written so that LLVM vectorizes them with AVX2 as 
   time; the min/max and code loops are inlined in it and it is called once a run, not once a
   group (a call with a group's dozens of arguments cost about as much as the group's codes:
   the 2-bit pack took 0.69 ns an element on one thread with a call a group, 0.46 with a call
-  a run; docs/benchmarks.md); the codes loop is inlined once per value of the zero-code
-  flag, so no copy tests it per element (AVX2 kept that branch in the vector loop);
+  a run; docs/benchmarks.md);
 - the metadata's powers of two come from float bits, not libm calls (:mod:`cpu_scalar`).
 
 A slow, general loop handles the last partial group and groups whose random stream crosses a
@@ -102,15 +101,14 @@ def _codes_stochastic(x, start, count, dst, off, lo, inv, top, zero_code, key32,
     s = _U64(start)
     o = _U64(off)
     one = np.int32(zero_code)
+    keep = not zero_code  # (code 0 only for exact zeros, in zero-code mode)
     for i in range(count):
         xi = x[s + _U64(i)]
         v = (xi - lo) * inv
         vi = np.int32(v)
         r = t(random24_u32(key32, _U32(low32 + _U32(i)))) * u
         c = np.int32(min(np.int32(vi + np.int32(r < v - t(vi)) + one), top))
-        if zero_code:
-            c = c if xi > 0 else np.int32(0)
-        dst[o + _U64(i)] = np.uint8(c)
+        dst[o + _U64(i)] = np.uint8(c * np.int32(xi > 0 or keep))
 
 
 @_inline
@@ -121,14 +119,13 @@ def _codes_nearest(x, start, count, dst, off, lo, inv, top, zero_code):  # pragm
     s = _U64(start)
     o = _U64(off)
     one = np.int32(zero_code)
+    keep = not zero_code  # (code 0 only for exact zeros, in zero-code mode)
     for i in range(count):
         xi = x[s + _U64(i)]
         v = (xi - lo) * inv
         vi = np.int32(v)
         c = np.int32(min(np.int32(vi + np.int32(v - t(vi) >= half) + one), top))
-        if zero_code:
-            c = c if xi > 0 else np.int32(0)
-        dst[o + _U64(i)] = np.uint8(c)
+        dst[o + _U64(i)] = np.uint8(c * np.int32(xi > 0 or keep))
 
 
 @_jit
@@ -214,20 +211,12 @@ def _group_kernel(bits: int):
                        zero_code, seed, idx0, stochastic, per, bits)
             return
         dst, off = (codes, at) if per == 1 else (scratch, 0)  # 8 bits: the codes are the bytes
-        top = np.int32(levels)
         if stochastic:
-            key32 = _U32(_stream_key(seed, idx0 >> 32))
-            low32 = _U32(idx0 & MASK32)
-            if zero_code:  # (a constant in each copy of the loop)
-                _codes_stochastic(x, start, group_size, dst, off, lo, inv, top, True, key32,
-                                  low32)
-            else:
-                _codes_stochastic(x, start, group_size, dst, off, lo, inv, top, False, key32,
-                                  low32)
-        elif zero_code:
-            _codes_nearest(x, start, group_size, dst, off, lo, inv, top, True)
+            _codes_stochastic(x, start, group_size, dst, off, lo, inv, np.int32(levels),
+                              zero_code, _U32(_stream_key(seed, idx0 >> 32)),
+                              _U32(idx0 & MASK32))
         else:
-            _codes_nearest(x, start, group_size, dst, off, lo, inv, top, False)
+            _codes_nearest(x, start, group_size, dst, off, lo, inv, np.int32(levels), zero_code)
         if per != 1:
             join(wide, codes, at, gbytes)
 

@@ -76,18 +76,19 @@ import sys
 import numpy as np
 from actune_kernels import cpu
 n = int(sys.argv[1])
-x = np.linspace(-1, 1, n, dtype=np.float32)
-codes = np.empty(n // 4 + 256, np.uint8)
-cpu.pack(x, codes, np.empty((n // 256 + 1, 2), np.uint16), 2, 256, 1)
-for kernel in (cpu._pack, cpu._pack_serial):
+codes, meta = np.zeros(n // 4 + 256, np.uint8), np.zeros((n // 256 + 1, 2), np.uint16)
+cpu.unpack(codes, meta, 2, 256, np.empty(n, np.float32))
+for kernel in (cpu._unpack, cpu._unpack_serial):
     for sig in kernel.signatures:
         print(kernel.py_func.__qualname__, "do_scheduling" in kernel.inspect_llvm(sig))
 """
 
 
 def test_the_pool_kernel_stays_parallel_when_the_serial_one_was_cached_first(tmp_path):
-    """The one-thread copy of a kernel is cached under its own name: a process that packs a
-    large tensor after another cached the small-tensor kernel still runs on the pool."""
+    """The one-thread copy of a kernel is cached under its own name: a process that unpacks a
+    large tensor after another cached the small-tensor kernel still runs on the pool. (The
+    unpack kernels compile in a fraction of the pack kernels' time; ``cpu._serial`` makes the
+    one-thread copies of both.)"""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     env.pop("NUMBA_ENABLE_CUDASIM", None)
 
@@ -95,5 +96,5 @@ def test_the_pool_kernel_stays_parallel_when_the_serial_one_was_cached_first(tmp
         return subprocess.run([sys.executable, "-c", _PARALLEL_PROBE, str(n)], env=env,
                               capture_output=True, text=True, timeout=600, check=True).stdout
 
-    assert run(1000).split() == ["_pack_serial", "False"]
-    assert run(100_000).split() == ["_pack", "True"]
+    assert run(1000).split() == ["_unpack_serial", "False"]
+    assert run(100_000).split() == ["_unpack", "True"]
