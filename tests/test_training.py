@@ -7,6 +7,7 @@ import math
 import os
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -545,6 +546,24 @@ def test_max_pool_offsets_round_trip_to_pytorchs_indices(size, kernel, stride, p
     assert offsets.dtype == torch.uint8 and int(offsets.max()) < kernel[0] * kernel[1]
     back = indices_from_offsets(offsets, spatial, kernel, stride, padding, dilation)
     assert torch.equal(back, idx)
+
+
+def test_max_pool_offsets_32_bit_lanes_match_the_general_loop():
+    """The vectorized path (window rows narrower than the input, unit dilation, indices in
+    32 bits) gives the bytes of the general loop, which divides."""
+    from actune_kernels import pool
+
+    for size, k, s, p in (((17, 17), 3, 2, 1), ((9, 13), 2, 2, 0), ((30, 7), 3, 1, 1)):
+        x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(3))
+        _, idx = F.max_pool2d(x, k, s, p, return_indices=True)
+        rows = idx.reshape(6, -1).numpy()
+        out_h, out_w = idx.shape[-2:]
+        fast, general = (np.empty(rows.shape, dtype=np.uint8) for _ in range(2))
+        for out, lanes32 in ((fast, True), (general, False)):
+            pool._to_offsets_serial(rows, out, size[1], out_h, out_w, k, s, s, p, p, 1, 1,
+                                    lanes32)
+        assert np.array_equal(fast, general)
+        assert int(general.max()) == k * k - 1  # every window position occurs
 
 
 @pytest.mark.parametrize(("size", "kernel", "stride", "padding", "dilation"), [
