@@ -15,10 +15,10 @@ import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from actune.autoprec import AutoPrecision
+from actune.fused import FUSED, class_name, fused_of
 from actune.hooks import compressed, shared_cache
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
@@ -57,33 +57,6 @@ _KEPT_EXACT: dict[type[nn.Module], str] = {
 }
 
 
-def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """Hugging Face's ``weight * rms_normalised(x)`` as one ``F.rms_norm`` (None where the
-    dtypes differ, as under autocast: the module's own code then runs)."""
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if not isinstance(weight, torch.Tensor) or weight.dtype != x.dtype or eps is None:
-        return None
-    return F.rms_norm(x, (x.shape[-1],), weight, float(eps))
-
-
-# Layers written inline as a chain of elementwise ops (each op saving its own operands:
-# GPT-2's ``gelu_new`` saves five tensors of the MLP's width, Llama's RMSNorm three of the
-# model's), keyed by module and class name so that nothing here imports their library: the
-# counterpart computes the same function with one op, whose rule saves one packed tensor.
-# (What it keeps; the function of the module and its input, None to run the module's own.)
-_FUSED: dict[str, tuple[str, object]] = {
-    **{f"transformers.activations.{name}": (
-        "packed derivative (other bits): the inline tanh GELU computed as "
-        "F.gelu(approximate='tanh')", lambda _m, x: F.gelu(x, approximate="tanh"))
-       for name in ("NewGELUActivation", "FastGELUActivation")},
-    # weight * x * rsqrt(mean(x**2) + eps), statistics in float32 (not Gemma's 1 + weight)
-    **{f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": (
-        "packed normalised input (other bits), shared with the matmul reading the output: "
-        "the inline RMSNorm computed as F.rms_norm", _rms_norm)
-       for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"),
-                            ("qwen3", "Qwen3"), ("mixtral", "Mixtral"), ("phi3", "Phi3"))},
-}
 _COUNTERPARTS: dict[type[nn.Module], type[nn.Module]] = {}
 
 
@@ -101,24 +74,15 @@ def _fused_forward(self, x, *args, **kwargs):
     if args or kwargs or not isinstance(x, torch.Tensor):
         return _compressed_forward(self, x, *args, **kwargs)
     with compressed(getattr(self, _LEVEL_ATTR)):
-        out = _fused_of(_base_class(self))(self, x)
+        out = fused_of(_base_class(self))(self, x)
     return _compressed_forward(self, x) if out is None else out
-
-
-def _name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _fused_of(cls: type):
-    """The one-op function standing in for ``cls``'s inline chain (or None)."""
-    return next((_FUSED[_name(a)][1] for a in cls.__mro__ if _name(a) in _FUSED), None)
 
 
 def _counterpart(cls: type[nn.Module]) -> type[nn.Module]:
     made = _COUNTERPARTS.get(cls)
     if made is None:
         name = f"Compressed{cls.__name__}"
-        forward = _compressed_forward if _fused_of(cls) is None else _fused_forward
+        forward = _compressed_forward if fused_of(cls) is None else _fused_forward
         made = type(name, (cls,), {"forward": forward, "__module__": __name__,
                                    "__doc__": f"{cls.__name__} with compressed activations."})
         globals()[name] = made  # importable by name, so compressed models pickle
@@ -153,8 +117,8 @@ def _supported(cls: type[nn.Module]) -> str | None:
     for ancestor in cls.__mro__:
         if ancestor in _SUPPORTED:
             return _SUPPORTED[ancestor]
-        if _name(ancestor) in _FUSED:
-            return _FUSED[_name(ancestor)][0]
+        if class_name(ancestor) in FUSED:
+            return FUSED[class_name(ancestor)][0]
     return None
 
 

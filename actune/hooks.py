@@ -39,6 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
 from actune.autoprec import AutoPrecision, Plan
+from actune.fused import fused_modules
 from actune.levels import Level, get_level
 from actune.mode import FunctionMode, parameter_like, top_hooks
 from actune.quant import (
@@ -50,7 +51,7 @@ from actune.quant import (
 )
 from actune.quant_batch import quantize_many
 from actune.rules import op_name
-from actune.saved import Derived, Saved, feature_major
+from actune.saved import Derived, Saved, feature_major, row_statistic
 
 __all__ = ["CompressionStats", "allow_overwrite", "compressed", "feature_major", "shared_cache"]
 
@@ -143,10 +144,19 @@ class _Session:
         self.features = False  # the running op saves features-last tensors (feature_major)
         # the ids of a norm's other arguments (its buffers): references
         self.references: set[int] | tuple = ()
+        # the ids of what the running op keeps exact on purpose (a broadcast operand)
+        self.exact_ids: set[int] | tuple = ()
         self.last_matmul = None  # statistics steps: the last matmul call (output, func, args)
         # tensors a batch norm may write its result over, once (allow_overwrite)
         self.overwritable = WeakIdKeyDictionary()
         self._exit: contextlib.ExitStack | None = None
+
+    def fusing(self) -> bool:
+        """Does this session compress what is saved now (a compressing level, and its hooks
+        the ones saving, not checkpointing's or save_on_cpu's)?"""
+        top = top_hooks(False)
+        return (self.level is not None and not self.level.exact and top is not None
+                and top[0] is self.hook)
 
     def attach(self, autoprec: AutoPrecision | None) -> AutoPrecision | None:
         """Make ``autoprec`` (if given) the allocator of the block being entered, which is one
@@ -175,6 +185,8 @@ class _Session:
         if parameter_like(t) or id(t) in self.references:
             return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.count(t) if counting else True
+        if self.exact_ids and id(t) in self.exact_ids:
+            return self._keep(t, new, f"{op_name(self.op)} broadcast operand")
         if t.dtype == torch.bool:
             if level.masks and n >= level.min_numel:
                 return self._pack(t, None, "mask", lambda: pack_mask(t))
@@ -193,6 +205,9 @@ class _Session:
             return self._keep(t, new, _BOUNDARY)
         if bits is None or not t.is_floating_point() or n < level.min_numel:
             return self._keep(t, new)
+        if row_statistic(t):
+            return self._keep(t, new, None if self.op is None
+                              else f"{op_name(self.op)} row statistic")
         if self.only_shape is not None and t.shape != self.only_shape:
             return self._keep(t, new)  # a norm's own statistics (mean, rstd): kept exact
         ap = None if self.autoprec is None else self.allocator()
@@ -211,13 +226,14 @@ class _Session:
     # -- tensors rebuilt from another's packed value ---------------------------------------
 
     def derive(self, t: torch.Tensor, base: Saved, weight: torch.Tensor | None,
-               bias: torch.Tensor | None) -> None:
+               bias: torch.Tensor | None, factor: Saved | None = None) -> None:
         """Later savers of ``t`` (or of a view of all of it) keep nothing of their own: they
         rebuild it as ``base * weight + bias`` from ``base``, packed already (a layer norm's
-        output from its normalised input, whose rounding then serves both backwards)."""
+        output from its normalised input, whose rounding then serves both backwards), or as
+        ``base * factor`` (a gated product's output from its two packed operands)."""
         if t.is_contiguous():
             self.derived[_whole_key(t)] = (StorageWeakRef(t.untyped_storage()), t._version,
-                                           Derived(base, weight, bias))
+                                           Derived(base, weight, bias, factor=factor))
 
     def _derived(self, t: torch.Tensor, bits: int, new: bool) -> Derived | None:
         """``t`` as a :class:`Derived` if it is a tensor :meth:`derive` named, unchanged since,
@@ -231,8 +247,9 @@ class _Session:
         derived = entry[2]
         base = derived.base
         ap = self.allocator()
-        if base.slot is None and (ap is not None or (derived.bits or 0) < bits):
-            return None
+        if base.slot is None and ((ap is not None and derived.factor is None)
+                                  or (derived.bits or 0) < bits):
+            return None  # (a product's operands keep fixed bits, under an allocator too)
         if base.slot is not None and ap is not None:
             if new:
                 ap.share(base.slot)  # the slot stands for two saved tensors in the budget
@@ -332,7 +349,11 @@ class _Session:
         if found is not None and isinstance(found.packed, PackedMask):
             found = None  # kept as a mask only (no reader at the last statistics step)
         if found is None:
-            packed, slot = self._quantize_planned(feature_major(t) if by_feature else t, False)
+            # an elementwise op's operand takes 2 bits at least, as a derivative does: at one
+            # bit its noise is larger than the activation itself (a norm's input may take 1)
+            floor = 2 if kind == _OTHER and self.only_shape is None else 1
+            packed, slot = self._quantize_planned(feature_major(t) if by_feature else t, False,
+                                                  floor)
             found = self._hold(self._new(packed), kind)
             found.slot = slot
             self._remember(key, t, found)
@@ -463,6 +484,10 @@ class _Session:
             self._exit.enter_context(
                 torch.autograd.graph.saved_tensors_hooks(self.hook, self.unpack_hook))
             self._exit.enter_context(FunctionMode(self))
+            # inline RMSNorm, tanh GELU: one op, where this session compresses (not at an
+            # exact level, not in a checkpointed region, whose recomputation runs the
+            # module's own code)
+            self._exit.enter_context(fused_modules(self.fusing))
         self.levels.append(level)
         self._set_level(level)
 

@@ -34,7 +34,8 @@ class Level:
     region is recomputed from); ``None`` keeps them exact. ``sensitive_bits``: bits for the
     saved tensors whose rounding noise reaches every gradient before them (the loss's
     probabilities, the root of backward; attention's v, which sets the small gradients of q
-    and k); ``None``: ``other_bits``. ``avg_bits``: mixed
+    and k; the two operands of a gated product, each multiplying the other's whole gradient);
+    ``None``: ``other_bits``. ``avg_bits``: mixed
     precision: an allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed
     tensor, and each sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the
     gradient is sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).

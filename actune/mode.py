@@ -121,7 +121,8 @@ class FunctionMode(TorchFunctionMode):
     def _run(self, func, args, kwargs):
         s = self.s
         rule = RULES.get(func)
-        previous = s.kind, s.only_shape, s.references, s.op, s.features
+        previous = s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids
+        s.exact_ids = ()
         only, refs = None, ()
         if rule is not None and rule.only_input_shape and isinstance(args[0], torch.Tensor):
             # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
@@ -144,7 +145,7 @@ class FunctionMode(TorchFunctionMode):
                     return out
             return func(*args, **kwargs)
         finally:
-            s.kind, s.only_shape, s.references, s.op, s.features = previous
+            s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids = previous
 
     def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
                kwargs) -> None:

@@ -201,6 +201,14 @@ def get_many(values: list) -> list[torch.Tensor]:
     return [v.get() if o is None else o for v, o in zip(values, out, strict=True)]
 
 
+def row_statistic(t: torch.Tensor) -> bool:
+    """Is ``t`` one value per row (its last dim 1: RMSNorm's mean square and ``rsqrt`` of it,
+    a softmax's maximum), which the next op broadcasts over the row? Its rounding noise would
+    be shared by every element of the row (coherent, not averaged over the features), and it
+    is ``1 / width`` of the activations' size: such tensors are kept exact."""
+    return t.dim() >= 2 and t.shape[-1] == 1
+
+
 def feature_major(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values, same shape, with its last dim (the features) laid out before the
     others within each sample (2-D: before the rows), so that groups packed in memory order
@@ -216,25 +224,30 @@ def feature_major(t: torch.Tensor) -> torch.Tensor:
 
 class Derived:
     """A saved tensor rebuilt from another's packed value: ``base * weight + bias`` (per
-    feature, along the last dims), as ``shape``. A layer norm's output is its normalised input
-    times its weight plus its bias: a matmul that saves that output reads the norm's own packed
-    input instead of packing a second copy (the rounding is unbiased in both, and linear in
-    both backwards). Its bytes are the base's, counted where the base was packed."""
+    feature, along the last dims), or ``base * factor`` (two packed values), as ``shape``. A
+    layer norm's output is its normalised input times its weight plus its bias; a gated
+    product's output is its two operands multiplied: a matmul that saves that output reads the
+    packed values its maker keeps anyway instead of packing another copy (the rounding is
+    unbiased in each, independent between the two factors, and linear in every backward that
+    reads it). Its bytes are the base's (and factor's), counted where they were packed."""
 
-    __slots__ = ("base", "bias", "shape", "weight")
+    __slots__ = ("base", "bias", "factor", "shape", "weight")
 
     def __init__(self, base: Saved, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 shape: torch.Size | None = None) -> None:
+                 shape: torch.Size | None = None, factor: Saved | None = None) -> None:
         self.base, self.weight, self.bias, self.shape = base, weight, bias, shape
+        self.factor = factor
 
     @property
     def bits(self) -> int | None:
-        """The base's width (None: not a uniformly quantized tensor)."""
-        return getattr(self.base.packed, "bits", None)
+        """The narrowest width of the packed values (None: not uniformly quantized)."""
+        widths = [getattr(p.packed, "bits", None) for p in (self.base, self.factor)
+                  if p is not None]
+        return None if None in widths else min(widths)
 
     def viewed(self, shape: torch.Size) -> Derived:
         """The same rebuild, handed back as ``shape`` (a saver's view of the whole tensor)."""
-        return Derived(self.base, self.weight, self.bias, shape)
+        return Derived(self.base, self.weight, self.bias, shape, self.factor)
 
     def noise_scale(self) -> torch.Tensor | None:
         """How much larger rounding noise is in the rebuilt tensor than in the base: the mean
@@ -247,6 +260,8 @@ class Derived:
         # (the base, the weight and the bias share the output's dtype: the norm's rule
         # shares only then)
         out = self.base.get()
+        if self.factor is not None:
+            out = out * self.factor.get()
         if self.weight is not None:
             out = out * self.weight if self.bias is None else torch.addcmul(self.bias, out,
                                                                              self.weight)

@@ -1,13 +1,15 @@
-"""Accuracy on real text: a byte-level Hugging Face GPT-2 trained on Python's own documentation.
+"""Accuracy on real text: byte-level Hugging Face language models trained on Python's own docs.
 
 ``pydoc_data.topics`` ships with every Python (about 465 KB of English text about Python): the
-last tenth is held out for validation. A small ``GPT2LMHeadModel`` (random init from a config,
-vocabulary of 256 bytes) is trained at each level with ``actune.compress(model, level)``, the
-same steps, data order and seeds, AdamW with a warm-up and a cosine decay; the validation
-loss (nats per byte) is recorded every ``--every`` steps and at the end, per seed, with its
-mean over the seeds.
+last tenth is held out for validation. A small model of one family (``--family``: ``gpt2``,
+``llama``, ``qwen2``; random init from a config, vocabulary of 256 bytes) is trained at each
+level, with ``actune.compress(model, level)`` or (``--form compressed``) with the forward and
+loss inside ``with actune.compressed(level)``; the same steps, data order and seeds, AdamW with
+a warm-up and a cosine decay. The validation loss (nats per byte) is recorded every ``--every``
+steps and at the end, per seed, with its mean over the seeds.
 
-    python benchmarks/hf_accuracy.py [--steps 1000] [--seeds 3] [--levels L0,u8,L2,L3]
+    python benchmarks/hf_accuracy.py [--family llama] [--form compress] [--steps 1000]
+                                     [--seeds 3] [--levels L0,u8,L2,L3]
                                      [--json out] [--load a.json,b.json]
 
 ``u8`` (8 bits everywhere: a perturbation far below SGD's noise) is the control: how far a
@@ -22,6 +24,7 @@ this model's training is chaotic: u8 ended 2.2% below L0 and single seeds 6% apa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -36,7 +39,7 @@ from rich.table import Table
 import actune
 
 try:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    import transformers
 except ImportError as err:
     raise SystemExit("needs Hugging Face transformers: pip install 'actune[hf]'") from err
 
@@ -55,13 +58,42 @@ def batches(data: torch.Tensor, batch: int, context: int, gen: torch.Generator):
         yield torch.stack([data[s:s + context] for s in start.tolist()])
 
 
-def model_of(seed: int, layers: int, width: int, context: int,
-             dropout: float) -> GPT2LMHeadModel:
+def _gpt2(layers: int, width: int, context: int, dropout: float):
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_positions=context, n_layer=layers, n_embd=width,
+        n_head=max(1, width // 32), bos_token_id=0, eos_token_id=0, resid_pdrop=dropout,
+        embd_pdrop=dropout, attn_pdrop=dropout))
+
+
+def _llama_like(config_class, model_class):
+    """A Llama-layout family (RMSNorm, rotary, SwiGLU, grouped-query attention): heads of 32,
+    half as many KV heads, an intermediate width of 2.75x (Llama's 11008 / 4096, rounded)."""
+
+    def build(layers: int, width: int, context: int, dropout: float):
+        heads = max(1, width // 32)
+        return getattr(transformers, model_class)(getattr(transformers, config_class)(
+            vocab_size=256, hidden_size=width, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+            intermediate_size=int(2.75 * width) // 16 * 16, max_position_embeddings=context,
+            attention_dropout=dropout, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            tie_word_embeddings=False))
+
+    return build
+
+
+#: --family: how to build each family's model (layers, width, context, dropout).
+FAMILIES = {
+    "gpt2": _gpt2,
+    "llama": _llama_like("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": _llama_like("Qwen2Config", "Qwen2ForCausalLM"),  # q, k, v with biases
+    "mistral": _llama_like("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def model_of(family: str, seed: int, layers: int, width: int, context: int,
+             dropout: float) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=256, n_positions=context, n_layer=layers, n_embd=width,
-                        n_head=max(1, width // 32), bos_token_id=0, eos_token_id=0,
-                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    return GPT2LMHeadModel(config)
+    return FAMILIES[family](layers, width, context, dropout)
 
 
 @torch.no_grad()
@@ -76,8 +108,14 @@ def validate(model, val: torch.Tensor, context: int, batches_: int = 16) -> floa
 
 
 def train(level: str, seed: int, args, train_data, val_data) -> dict:
-    model = model_of(seed, args.layers, args.width, args.context, args.dropout)
-    actune.compress(model, level)
+    model = model_of(args.family, seed, args.layers, args.width, args.context, args.dropout)
+    if args.form == "compress":
+        actune.compress(model, level)
+        scope = contextlib.nullcontext
+    else:  # the forward and the loss inside compressed(), an allocator of our own
+        ap = actune.AutoPrecision(avg_bits=actune.get_level(level).avg_bits or 2.0)
+        def scope():
+            return actune.compressed(level, autoprec=ap)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(seed)
     it = batches(train_data, args.batch, args.context, gen)
@@ -88,7 +126,8 @@ def train(level: str, seed: int, args, train_data, val_data) -> dict:
             cosine = 0.55 + 0.45 * math.cos(math.pi * step / args.steps)
             group["lr"] = args.lr * min(1.0, step / args.warmup) * cosine
         ids = next(it)
-        loss = model(input_ids=ids, labels=ids).loss
+        with scope():
+            loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.clip:
@@ -102,6 +141,9 @@ def train(level: str, seed: int, args, train_data, val_data) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="gpt2")
+    parser.add_argument("--form", choices=("compress", "compressed"), default="compress",
+                        help="compress(model, level), or the forward inside compressed(level)")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0,
@@ -147,9 +189,9 @@ def main() -> None:
 def report(args, levels: list[str], runs: list[dict]) -> None:
     """The validation losses per level and seed, and the mean curves."""
     final = {lv: statistics.fmean(r["final"] for r in runs if r["level"] == lv) for lv in levels}
-    table = Table(title=f"byte-level GPT-2 ({args.layers} layers, {args.width} wide, "
-                        f"{args.context} tokens) on pydoc_data.topics, {args.steps} steps, "
-                        f"{args.seeds} seeds: validation loss (nats/byte)")
+    table = Table(title=f"byte-level {args.family} ({args.form}; {args.layers} layers, "
+                        f"{args.width} wide, {args.context} tokens) on pydoc_data.topics, "
+                        f"{args.steps} steps, {args.seeds} seeds: validation loss (nats/byte)")
     seeds = sorted({r["seed"] for r in runs})
     for col in ("level", *(f"seed {s}" for s in seeds), "mean", "vs L0", "s/run"):
         table.add_column(col, justify="right")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from actune.rules import register
+from actune.saved import row_statistic
 from actune.substitutes import (
     PackedLogSoftmax,
     SavedDerivative,
@@ -26,9 +27,11 @@ from actune.substitutes import (
 
 
 def compressible(x, level) -> bool:
-    """Is ``x`` a floating tensor large enough to pack at ``level.other_bits``?"""
+    """Is ``x`` a floating tensor large enough to pack at ``level.other_bits``, and not a
+    per-row statistic (:func:`~actune.saved.row_statistic`, kept exact)?"""
     return (level.other_bits is not None and isinstance(x, torch.Tensor)
-            and x.is_floating_point() and x.numel() >= level.min_numel)
+            and x.is_floating_point() and x.numel() >= level.min_numel
+            and not row_statistic(x))
 
 
 _DERIVATIVE = "derivative rounded at other bits (used linearly)"

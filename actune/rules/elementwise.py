@@ -20,13 +20,70 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune.rules import register
 from actune.rules.activations import compressible
-from actune.saved import check_double_backward, take
+from actune.saved import check_double_backward, feature_major, take
 from actune.substitutes import SavedDerivative, arg
 
-register((torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
-          torch.Tensor.mul_, torch.Tensor.__imul__, torch.exp, torch.Tensor.exp,
-          torch.square, torch.Tensor.square, F.embedding),
+register((torch.exp, torch.Tensor.exp, torch.square, torch.Tensor.square, F.embedding),
          "elementwise", "other", "operands rounded at other bits (backward linear in each)")(None)
+
+
+@register((torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+           torch.Tensor.mul_, torch.Tensor.__imul__), "elementwise", "other",
+          "operands rounded at other bits (backward linear in each); an operand broadcast "
+          "over the other (rotary cos/sin, RMSNorm's rstd, a mask) exact")
+def product(s, func, args, kwargs, level):
+    """``a * b``: each operand is saved for the other's gradient and rounded, except one
+    broadcast over the other's shape. Its rounding noise would repeat along every broadcast
+    dim (the same rotary table for every sample and head, one ``rstd`` for a token's
+    features): shared, not averaged, by the gradients it multiplies; and it is the smaller
+    tensor by the broadcast factor. Two activations of one shape (SwiGLU's ``act(gate) * up``)
+    run :class:`GatedProduct`."""
+    a, b = args[0], arg(args, kwargs, 1, "other", None)
+    if not isinstance(b, torch.Tensor):
+        return None
+    if a.shape != b.shape:
+        n = max(a.numel(), b.numel())
+        s.exact_ids = {id(t) for t in (a, b) if t.numel() < n}
+        return None  # the op as it is; the hooks pack the rest at other bits
+    if (func in _OUT_OF_PLACE and len(args) + len(kwargs) == 2 and a.requires_grad
+            and b.requires_grad and compressible(a, level) and a.dtype == b.dtype):
+        held: list = []
+        out = GatedProduct.apply(a, b, level.sensitive_width, s, held)
+        s.derive(out, held[0], None, None, factor=held[1])
+        return out
+    return None
+
+
+_OUT_OF_PLACE = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__,
+                           torch.Tensor.__rmul__})
+
+
+class GatedProduct(torch.autograd.Function):
+    """``a * b`` of two activations (a gated MLP's ``act(gate) * up``), keeping each operand
+    rounded at the level's ``sensitive_bits`` (4 at L3), in groups along the tokens, one
+    feature each, independently. Each operand's noise multiplies the other's whole gradient,
+    and these are activations (heavy-tailed, unlike a bounded derivative), so 2 bits there
+    cost a gated model several times the gradient noise of the rest
+    (docs/training.md). The matmul reading the product (the down projection) rebuilds it
+    from the two copies (``Derived``): three tensors cost two 4-bit copies, not three 2-bit
+    ones and a far noisier gradient. Unbiased: each gradient is linear in each copy, and the
+    copies are independent."""
+
+    @staticmethod
+    def forward(ctx, a, b, bits, session, held):
+        ctx.a = session.pack_fixed(feature_major(a), bits, "product", replaces=(a,))
+        ctx.b = session.pack_fixed(feature_major(b), bits, "product", replaces=(b,))
+        held.extend((ctx.a, ctx.b))
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        needs = ctx.needs_input_grad
+        a, b = take(ctx, "a"), take(ctx, "b")
+        da = grad * b.get() if needs[0] else None
+        db = grad * a.get() if needs[1] else None
+        return da, db, None, None, None
 
 _DERIVATIVE = "derivative rounded at other bits (used linearly)"
 

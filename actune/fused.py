@@ -1,0 +1,143 @@
+"""Layers written inline as chains of elementwise ops, computed as one op instead.
+
+Hugging Face writes some layers as a chain of tensor ops, each saving its own operands: GPT-2's
+``gelu_new`` saves five tensors of the MLP's width, Llama's RMSNorm three of the model's (and
+rounds each separately, with the per-token statistic's gradient summed from rounded inputs).
+The same function computed by one op (``F.gelu(approximate="tanh")``, ``F.rms_norm``) saves
+one packed tensor under its rule. Classes are keyed by module and class name, so nothing here
+imports their library.
+
+:func:`compress` converts such modules to counterparts that call the one op. Under
+:func:`actune.compressed` alone, :func:`fused_modules` does the same at run time: global
+module hooks run a listed module's own forward without recording gradients, and hand on the
+one op's output (recorded, under the rules) in its place. Its own forward's values are the
+same (a few elementwise ops, computed twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+__all__ = ["FUSED", "class_name", "fused_modules", "fused_of"]
+
+
+def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """Hugging Face's ``weight * rms_normalised(x)`` as one ``F.rms_norm`` (None where the
+    dtypes differ, as under autocast: the module's own code then runs)."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(weight, torch.Tensor) or weight.dtype != x.dtype or eps is None:
+        return None
+    return F.rms_norm(x, (x.shape[-1],), weight, float(eps))
+
+
+def _tanh_gelu(_module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+#: class name -> (what the one op keeps, the function of the module and its input; None from
+#: it runs the module's own forward).
+FUSED: dict[str, tuple[str, Callable[[nn.Module, torch.Tensor], torch.Tensor | None]]] = {
+    **{f"transformers.activations.{name}": (
+        "packed derivative (other bits): the inline tanh GELU computed as "
+        "F.gelu(approximate='tanh')", _tanh_gelu)
+       for name in ("NewGELUActivation", "FastGELUActivation")},
+    # weight * x * rsqrt(mean(x**2) + eps), statistics in float32 (not Gemma's 1 + weight)
+    **{f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": (
+        "packed normalised input (other bits), shared with the matmul reading the output: "
+        "the inline RMSNorm computed as F.rms_norm", _rms_norm)
+       for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"),
+                            ("qwen3", "Qwen3"), ("mixtral", "Mixtral"), ("phi3", "Phi3"))},
+}
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def fused_of(cls: type) -> Callable | None:
+    """The one-op function standing in for ``cls``'s inline chain (or None), through its
+    ancestors."""
+    return next((FUSED[class_name(a)][1] for a in cls.__mro__ if class_name(a) in FUSED),
+                None)
+
+
+_local = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _pre_hook(module: nn.Module, args: tuple) -> None:
+    when = getattr(_local, "when", None)
+    if when is None:
+        return  # another thread's compressed() installed the hooks
+    entry = FUSED.get(class_name(type(module)))  # (converted classes run the op themselves)
+    fn = None
+    if (entry is not None and len(args) == 1 and isinstance(args[0], torch.Tensor)
+            and torch.is_grad_enabled() and args[0].is_floating_point() and when()):
+        fn = entry[1]
+        if fn is _rms_norm and _rms_norm_refused(module, args[0]):
+            fn = None
+    _stack().append((module, fn))
+    if fn is not None:
+        torch.set_grad_enabled(False)  # the module's own chain: values only
+
+
+def _rms_norm_refused(module: nn.Module, x: torch.Tensor) -> bool:
+    weight = getattr(module, "weight", None)
+    return (not isinstance(weight, torch.Tensor) or weight.dtype != x.dtype
+            or getattr(module, "variance_epsilon", getattr(module, "eps", None)) is None)
+
+
+def _post_hook(module: nn.Module, args: tuple, output):
+    if getattr(_local, "when", None) is None:
+        return None
+    stack = _stack()
+    if not stack or stack[-1][0] is not module:
+        return None  # (entered before the hooks were installed)
+    _, fn = stack.pop()
+    if fn is None:
+        return None
+    torch.set_grad_enabled(True)
+    return fn(module, args[0])
+
+
+_lock = threading.Lock()
+_installed: list = []  # [count, pre handle, post handle] while any thread has the block open
+
+
+@contextlib.contextmanager
+def fused_modules(when: Callable[[], bool]) -> Iterator[None]:
+    """While open, listed modules (:data:`FUSED`) called in this thread compute their one op
+    in place of their chain, where ``when()`` says so at their call (not in a checkpointed
+    region, whose recomputation must save what its forward saved); global module hooks,
+    installed while any thread needs them."""
+    with _lock:
+        if not _installed:
+            _installed.extend([0, nn_module.register_module_forward_pre_hook(_pre_hook),
+                               nn_module.register_module_forward_hook(_post_hook,
+                                                                      always_call=True)])
+        _installed[0] += 1
+    outer, _local.when = getattr(_local, "when", None), when
+    try:
+        yield
+    finally:
+        _local.when = outer
+        with _lock:
+            _installed[0] -= 1
+            if not _installed[0]:
+                for handle in _installed[1:]:
+                    handle.remove()
+                _installed.clear()
