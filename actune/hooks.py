@@ -205,7 +205,7 @@ class _Session:
             return self._keep(t, new, _BOUNDARY)
         if bits is None or not t.is_floating_point() or n < level.min_numel:
             return self._keep(t, new)
-        if row_statistic(t):
+        if self.kind != _MATMUL and row_statistic(t):  # (a matmul's input of width 1: rank 1)
             return self._keep(t, new, None if self.op is None
                               else f"{op_name(self.op)} row statistic")
         if self.only_shape is not None and t.shape != self.only_shape:

@@ -202,11 +202,12 @@ def get_many(values: list) -> list[torch.Tensor]:
 
 
 def row_statistic(t: torch.Tensor) -> bool:
-    """Is ``t`` one value per row (its last dim 1: RMSNorm's mean square and ``rsqrt`` of it,
-    a softmax's maximum), which the next op broadcasts over the row? Its rounding noise would
-    be shared by every element of the row (coherent, not averaged over the features), and it
-    is ``1 / width`` of the activations' size: such tensors are kept exact."""
-    return t.dim() >= 2 and t.shape[-1] == 1
+    """Is ``t`` one value per row of a features-last activation (``[rows, 1]`` or ``[batch,
+    tokens, 1]``: RMSNorm's mean square and ``rsqrt`` of it), which the next op broadcasts
+    over the row? Its rounding noise would be shared by every element of the row (coherent,
+    not averaged over the features), and it is ``1 / width`` of the activations' size: such
+    tensors are kept exact. (Not an image of width 1: ``[N, C, H, 1]`` has four dims.)"""
+    return 2 <= t.dim() <= 3 and t.shape[-1] == 1
 
 
 def feature_major(t: torch.Tensor) -> torch.Tensor:

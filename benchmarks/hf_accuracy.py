@@ -168,8 +168,15 @@ def main() -> None:
     parser.add_argument("--load", default=None, help="comma-separated JSON files to print")
     args = parser.parse_args()
     if args.load:
-        runs = [r for f in args.load.split(",")
-                for r in json.loads(Path(f).read_text())["runs"]]
+        loaded = [json.loads(Path(f).read_text()) for f in args.load.split(",")]
+        runs = [r for data in loaded for r in data["runs"]]
+        for data in loaded:  # runs of the other form beside these: named apart
+            if data["args"].get("form", "compress") != loaded[0]["args"].get("form",
+                                                                              "compress"):
+                for r in data["runs"]:
+                    r["level"] = f"{r['level']} {data['args']['form']}()"
+        for key in ("family", "form", "layers", "width", "context"):  # (as they were run)
+            setattr(args, key, loaded[0]["args"].get(key, getattr(args, key)))
         levels = list(dict.fromkeys(r["level"] for r in runs))
         args.seeds = len({r["seed"] for r in runs})
         args.steps = runs[0]["curve"][-1][0]
@@ -201,16 +208,19 @@ def report(args, levels: list[str], runs: list[dict]) -> None:
                       f"{100 * (final[lv] / final[levels[0]] - 1):+.2f}%",
                       f"{statistics.fmean(r['seconds'] for r in mine):.0f}")
     Console(width=120).print(table)
-    curves = Table(title="mean validation loss by step")
+    curves = Table(title=f"mean validation loss by step (and against {levels[0]}'s)")
     curves.add_column("step", justify="right")
     for lv in levels:
         curves.add_column(lv, justify="right")
     steps = [s for s, _ in runs[0]["curve"]]
     for i, step in enumerate(steps):
+        mean = {lv: statistics.fmean(r["curve"][i][1] for r in runs if r["level"] == lv)
+                for lv in levels}
         curves.add_row(str(step), *(
-            f"{statistics.fmean(r['curve'][i][1] for r in runs if r['level'] == lv):.4f}"
+            f"{mean[lv]:.4f}" + ("" if lv == levels[0] else
+                                 f" ({100 * (mean[lv] / mean[levels[0]] - 1):+.2f}%)")
             for lv in levels))
-    Console(width=120).print(curves)
+    Console(width=140).print(curves)
 
 
 if __name__ == "__main__":
