@@ -111,6 +111,8 @@ def _post_hook(module: nn.Module, args: tuple, output):
     if fn is None:
         return None
     torch.set_grad_enabled(True)
+    if output is None:  # (the forward raised: hooks called always get no output)
+        return None
     return fn(module, args[0])
 
 

@@ -189,6 +189,10 @@ def test_compressed_runs_an_inline_rms_norm_as_one_op_and_removes_its_module_hoo
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
     exact = torch.autograd.grad(reference, x, g)[0]
     assert relative_error(torch.autograd.grad(y, x, g)[0], exact) < 0.02
+    # a forward that raises (a wrong width) leaves gradient recording as it was
+    with actune.compressed("u8"), pytest.raises(RuntimeError):
+        norm(torch.randn(2, 32, 48, requires_grad=True))
+    assert torch.is_grad_enabled()
 
 
 def test_the_allocator_gives_an_elementwise_operand_two_bits_at_least():
