@@ -3,8 +3,9 @@
 ``pydoc_data.topics`` ships with every Python (about 465 KB of English text about Python): the
 last tenth is held out for validation. A small model of one family (``--family``: ``gpt2``,
 ``llama``, ``qwen2``; random init from a config, vocabulary of 256 bytes) is trained at each
-level, with ``actune.compress(model, level)`` or (``--form compressed``) with the forward and
-loss inside ``with actune.compressed(level)``; the same steps, data order and seeds, AdamW with
+level, with ``actune.compress(model, level)``, or (``--form compressed``) with the forward and
+loss inside ``with actune.compressed(level)`` (no allocator, the README's first form; with one:
+``--form compressed-autoprec``); the same steps, data order and seeds, AdamW with
 a warm-up and a cosine decay. The validation loss (nats per byte) is recorded every ``--every``
 steps and at the end, per seed, with its mean over the seeds.
 
@@ -109,11 +110,15 @@ def validate(model, val: torch.Tensor, context: int, batches_: int = 16) -> floa
 
 def train(level: str, seed: int, args, train_data, val_data) -> dict:
     model = model_of(args.family, seed, args.layers, args.width, args.context, args.dropout)
+    scope = contextlib.nullcontext
     if args.form == "compress":
         actune.compress(model, level)
-        scope = contextlib.nullcontext
-    else:  # the forward and the loss inside compressed(), an allocator of our own
+    elif args.form == "compressed":  # the README's first form: no allocator
+        def scope():
+            return actune.compressed(level)
+    else:  # compressed() with an allocator of our own, as compress() attaches one
         ap = actune.AutoPrecision(avg_bits=actune.get_level(level).avg_bits or 2.0)
+
         def scope():
             return actune.compressed(level, autoprec=ap)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -142,8 +147,11 @@ def train(level: str, seed: int, args, train_data, val_data) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=sorted(FAMILIES), default="gpt2")
-    parser.add_argument("--form", choices=("compress", "compressed"), default="compress",
-                        help="compress(model, level), or the forward inside compressed(level)")
+    parser.add_argument("--form", choices=("compress", "compressed", "compressed-autoprec"),
+                        default="compress",
+                        help="compress(model, level); the forward and loss inside "
+                             "compressed(level) (no allocator: the README's first form); or "
+                             "inside compressed(level, autoprec=AutoPrecision(...))")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0,

@@ -66,6 +66,14 @@ def _shared(s, x, shape, weight, bias, eps, rms: bool, level):
     return out
 
 
+def shared_width(level) -> int:
+    """The bits of a norm's shared copy without an allocator: at a mixed-precision level (L3:
+    ``avg_bits``) the bytes of the two copies it replaces, spent on one (2 x 2 -> 4 bits), as
+    the allocator's first statistics step does; at a uniform level (``u2``, L2) its width."""
+    bits = level.other_bits
+    return min(2 * bits, 8) if level.avg_bits is not None else bits
+
+
 class SharedNorm(torch.autograd.Function):
     """Layer or RMS norm saving its normalised input ``x_hat``, rounded in groups along the
     tokens (one feature each), instead of its input: its backward reads ``x_hat`` (linearly,
@@ -85,7 +93,7 @@ class SharedNorm(torch.autograd.Function):
         else:
             out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
             x_hat = (x - mean).mul_(rstd).to(x.dtype)
-        saved = session.pack_value(feature_major(x_hat), session.level.other_bits, "norm",
+        saved = session.pack_value(feature_major(x_hat), shared_width(session.level), "norm",
                                    replaces=(x,), reads=False)
         del x_hat
         held.append(saved)
