@@ -200,10 +200,10 @@ class Square(nn.Module):
 
 
 def test_l3_rounding_noise_on_a_trained_tiny_llama_is_far_below_sgds():
-    # the regression guard of issue #31's cause: after 60 steps on real text, the README's
-    # compressed("L3") adds gradient variance 0.010 of SGD's between batches (seeded; the
-    # code before gated products kept two 4-bit copies and broadcast operands stayed exact:
-    # 0.071); u8 ~2e-5
+    # a guard on issue #31's cause: after 60 steps on real text, the README's
+    # compressed("L3") adds gradient variance 0.010 of SGD's between batches (seeded; 0.071
+    # before gated products kept two 4-bit copies and broadcast operands stayed exact;
+    # u8: 2e-5)
     from pydoc_data.topics import topics
 
     text = "\n".join(topics[k] for k in sorted(topics))[:200_000].encode()
