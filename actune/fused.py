@@ -11,7 +11,9 @@ imports their library.
 :func:`actune.compressed` alone, :func:`fused_modules` does the same at run time: global
 module hooks run a listed module's own forward without recording gradients, and hand on the
 one op's output (recorded, under the rules) in its place. Its own forward's values are the
-same (a few elementwise ops, computed twice).
+same (a few elementwise ops, computed twice). Not on fake tensors: the tuner's estimates run
+the module's own code (its peak tracker reads the no-grad chain as optimizer work, and the
+chain keeps a little more, so the estimate errs on the safe side).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules import module as nn_module
 
 __all__ = ["FUSED", "class_name", "fused_modules", "fused_of"]
@@ -86,7 +89,8 @@ def _pre_hook(module: nn.Module, args: tuple) -> None:
     entry = FUSED.get(class_name(type(module)))  # (converted classes run the op themselves)
     fn = None
     if (entry is not None and len(args) == 1 and isinstance(args[0], torch.Tensor)
-            and torch.is_grad_enabled() and args[0].is_floating_point() and when()):
+            and torch.is_grad_enabled() and args[0].is_floating_point()
+            and not is_fake(args[0]) and when()):
         fn = entry[1]
         if fn is _rms_norm and _rms_norm_refused(module, args[0]):
             fn = None
