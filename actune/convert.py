@@ -118,7 +118,7 @@ def _supported(cls: type[nn.Module]) -> str | None:
         if ancestor in _SUPPORTED:
             return _SUPPORTED[ancestor]
         if class_name(ancestor) in FUSED:
-            return FUSED[class_name(ancestor)][0]
+            return FUSED[class_name(ancestor)].keeps
     return None
 
 

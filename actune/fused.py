@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -28,34 +29,50 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules import module as nn_module
 
-__all__ = ["FUSED", "class_name", "fused_modules", "fused_of"]
+__all__ = ["FUSED", "Fused", "class_name", "fused_modules", "fused_of"]
+
+
+def _eps(module: nn.Module) -> float | None:
+    return getattr(module, "variance_epsilon", getattr(module, "eps", None))
+
+
+def _rms_norm_fits(module: nn.Module, x: torch.Tensor) -> bool:
+    """Can ``F.rms_norm`` stand in (not where the dtypes differ, as under autocast)?"""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dtype == x.dtype and _eps(module) is not None
 
 
 def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """Hugging Face's ``weight * rms_normalised(x)`` as one ``F.rms_norm`` (None where the
-    dtypes differ, as under autocast: the module's own code then runs)."""
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if not isinstance(weight, torch.Tensor) or weight.dtype != x.dtype or eps is None:
+    """Hugging Face's ``weight * rms_normalised(x)`` as one ``F.rms_norm`` (None where it does
+    not fit: the module's own code then runs)."""
+    if not _rms_norm_fits(module, x):
         return None
-    return F.rms_norm(x, (x.shape[-1],), weight, float(eps))
+    return F.rms_norm(x, (x.shape[-1],), module.weight, float(_eps(module)))
 
 
 def _tanh_gelu(_module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-#: class name -> (what the one op keeps, the function of the module and its input; None from
-#: it runs the module's own forward).
-FUSED: dict[str, tuple[str, Callable[[nn.Module, torch.Tensor], torch.Tensor | None]]] = {
-    **{f"transformers.activations.{name}": (
+class Fused(NamedTuple):
+    """A listed class: what its one op keeps, the op (None where it does not fit), and
+    whether it fits a call (checked before the module's own code runs)."""
+
+    keeps: str
+    run: Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
+    fits: Callable[[nn.Module, torch.Tensor], bool] = lambda _m, _x: True
+
+
+#: class name -> :class:`Fused`.
+FUSED: dict[str, Fused] = {
+    **{f"transformers.activations.{name}": Fused(
         "packed derivative (other bits): the inline tanh GELU computed as "
         "F.gelu(approximate='tanh')", _tanh_gelu)
        for name in ("NewGELUActivation", "FastGELUActivation")},
     # weight * x * rsqrt(mean(x**2) + eps), statistics in float32 (not Gemma's 1 + weight)
-    **{f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": (
+    **{f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": Fused(
         "packed normalised input (other bits), shared with the matmul reading the output: "
-        "the inline RMSNorm computed as F.rms_norm", _rms_norm)
+        "the inline RMSNorm computed as F.rms_norm", _rms_norm, _rms_norm_fits)
        for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"),
                             ("qwen3", "Qwen3"), ("mixtral", "Mixtral"), ("phi3", "Phi3"))},
 }
@@ -68,7 +85,7 @@ def class_name(cls: type) -> str:
 def fused_of(cls: type) -> Callable | None:
     """The one-op function standing in for ``cls``'s inline chain (or None), through its
     ancestors."""
-    return next((FUSED[class_name(a)][1] for a in cls.__mro__ if class_name(a) in FUSED),
+    return next((FUSED[class_name(a)].run for a in cls.__mro__ if class_name(a) in FUSED),
                 None)
 
 
@@ -90,19 +107,11 @@ def _pre_hook(module: nn.Module, args: tuple) -> None:
     fn = None
     if (entry is not None and len(args) == 1 and isinstance(args[0], torch.Tensor)
             and torch.is_grad_enabled() and args[0].is_floating_point()
-            and not is_fake(args[0]) and when()):
-        fn = entry[1]
-        if fn is _rms_norm and _rms_norm_refused(module, args[0]):
-            fn = None
+            and not is_fake(args[0]) and entry.fits(module, args[0]) and when()):
+        fn = entry.run
     _stack().append((module, fn))
     if fn is not None:
         torch.set_grad_enabled(False)  # the module's own chain: values only
-
-
-def _rms_norm_refused(module: nn.Module, x: torch.Tensor) -> bool:
-    weight = getattr(module, "weight", None)
-    return (not isinstance(weight, torch.Tensor) or weight.dtype != x.dtype
-            or getattr(module, "variance_epsilon", getattr(module, "eps", None)) is None)
 
 
 def _post_hook(module: nn.Module, args: tuple, output):
