@@ -48,7 +48,7 @@ def group_of(name: str) -> str:
 
 def gradients(model, ids, level, form: str) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    if level is not None and form == "compressed":
+    if level is not None and form != "compress":
         with actune.compressed(level, autoprec=model.ap):
             loss = model(input_ids=ids, labels=ids).loss
     else:
@@ -65,6 +65,18 @@ def variance(samples: list[dict], names: list[str]) -> dict[str, float]:
     return out
 
 
+def bias(samples: list[dict], exact: dict, names: list[str]) -> dict[str, float]:
+    """Squared distance of the draws' mean from the exact gradient, less what the draws'
+    own variance explains (``var / K``): near 0 for an unbiased rule, per group."""
+    out: dict[str, float] = {}
+    k = len(samples)
+    for n in names:
+        stack = torch.stack([s[n] for s in samples])
+        excess = (stack.mean(0) - exact[n]).pow(2).sum().item() - stack.var(0).sum().item() / k
+        out[group_of(n)] = out.get(group_of(n), 0.0) + excess
+    return out
+
+
 def ablated(parts: list[str]) -> dict:
     """Remove the rules of ``parts`` from the registry; returns the registry to restore."""
     saved = dict(rules.RULES)
@@ -78,7 +90,9 @@ def ablated(parts: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
-    parser.add_argument("--form", choices=("compress", "compressed"), default="compress")
+    parser.add_argument("--form", choices=("compress", "compressed", "compressed-autoprec"),
+                        default="compress",
+                        help="as in hf_accuracy.py: compressed() has no allocator")
     parser.add_argument("--level", default="u2")
     parser.add_argument("--ablate", default="none",
                         help="comma-separated runs, each 'none' or rules joined by "
@@ -87,6 +101,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--warm", type=int, default=150, help="L0 steps before measuring")
     parser.add_argument("--draws", type=int, default=8)
+    parser.add_argument("--bias", action="store_true",
+                        help="also print each group's squared bias (mean of the draws against "
+                             "the exact gradient, less var/K) over SGD's variance")
     args = parser.parse_args()
     train, _ = corpus()
     model = model_of(args.family, 0, args.layers, args.width, 128, 0.0)
@@ -101,6 +118,7 @@ def main() -> None:
     ids = next(it)
     sgd = variance([gradients(model, next(it), None, args.form) for _ in range(args.draws)],
                    names)
+    exact = gradients(model, ids, None, args.form)
     groups = list(dict.fromkeys(map(group_of, names)))
     table = Table(title=f"{args.family} ({args.form}) at {args.level} after {args.warm} L0 "
                         f"steps: rounding variance / SGD variance, {args.draws} draws")
@@ -116,16 +134,20 @@ def main() -> None:
             twin.ap = None
             if args.form == "compress":
                 actune.compress(twin, args.level)
-            elif actune.get_level(args.level).avg_bits:
+            elif args.form == "compressed-autoprec" and actune.get_level(args.level).avg_bits:
                 twin.ap = actune.AutoPrecision(avg_bits=actune.get_level(args.level).avg_bits)
             torch.manual_seed(5)
-            quant = variance([gradients(twin, ids, args.level, args.form)
-                              for _ in range(args.draws)], names)
+            draws = [gradients(twin, ids, args.level, args.form) for _ in range(args.draws)]
+            quant = variance(draws, names)
         finally:
             rules.RULES.clear()
             rules.RULES.update(saved)
         table.add_row(run, f"{sum(quant.values()) / sum(sgd.values()):.3f}",
                       *(f"{quant[g] / sgd[g]:.2f}" for g in groups))
+        if args.bias:
+            off = bias(draws, exact, names)
+            table.add_row(f"{run}: bias²", f"{sum(off.values()) / sum(sgd.values()):.4f}",
+                          *(f"{off[g] / sgd[g]:.3f}" for g in groups))
     Console(width=250).print(table)
     print(f"SGD variance total {statistics.fsum(sgd.values()):.4g}")
 

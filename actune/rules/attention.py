@@ -8,7 +8,12 @@ unbiased), q and k at the level's ``nonlinear_bits`` (8 at L2-L5: their rounding
 softmax nonlinearly, a bias measured in docs/training.md; exact where the level sets none),
 and neither the output nor the log-sum-exp: backward runs the attention forward once more
 (with the forward's random state, for dropout, and its autocast state) and differentiates
-that. Eager attention (matmuls, masks, softmax, dropout) is covered by those ops' own rules.
+that. A learned additive bias (a float ``attn_mask`` that requires grad: a relative position
+bias) gets its gradient from the same recomputation; the bias is kept as a reference when it
+is a parameter, else as a 1-bit mask of the entries it masks (far below their row's largest:
+``exp`` of them is 0) and the rest at ``nonlinear_bits`` (it enters the softmax nonlinearly,
+like q and k; exact where the level sets none). Eager attention (matmuls, the bias's add, softmax, dropout) is
+covered by those ops' own rules.
 """
 
 from __future__ import annotations
@@ -24,29 +29,60 @@ from actune.saved import check_double_backward, get_many, plain_saving, take
 from actune.substitutes import arg
 
 _LABEL = "scaled_dot_product_attention q/k"
+_BIAS_LABEL = "scaled_dot_product_attention bias"
 
 
 @register((F.scaled_dot_product_attention,), "attention", None,
           "v rounded at sensitive bits; q and k at nonlinear bits (8 at L2-L5) or exact; the "
-          "output and log-sum-exp recomputed in backward")
+          "output and log-sum-exp recomputed in backward; a learned bias as a 1-bit mask and "
+          "nonlinear bits")
 def attention(s, func, args, kwargs, level):
     q, k, v = args[0], arg(args, kwargs, 1, "key", None), arg(args, kwargs, 2, "value", None)
     mask = arg(args, kwargs, 3, "attn_mask", None)
     if (not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v))
-            or not compressible(v, level)
-            or (isinstance(mask, torch.Tensor) and mask.requires_grad)):
-        return None  # a learned mask (its gradient reads the probabilities): PyTorch's own
-    options = (mask, float(arg(args, kwargs, 4, "dropout_p", 0.0)),
+            or not compressible(v, level)):
+        return None
+    bias = mask if isinstance(mask, torch.Tensor) and mask.requires_grad else None
+    options = (None if bias is not None else mask, float(arg(args, kwargs, 4, "dropout_p", 0.0)),
                bool(arg(args, kwargs, 5, "is_causal", False)), arg(args, kwargs, 6, "scale", None),
                bool(kwargs.get("enable_gqa", False)))
-    return RecomputedAttention.apply(q, k, v, options, level, s)
+    return RecomputedAttention.apply(q, k, v, bias, options, level, s)
 
 
-def _sdpa(q, k, v, options):
+def _sdpa(q, k, v, options, bias=None):
     mask, dropout_p, is_causal, scale, gqa = options
     extra = {"enable_gqa": True} if gqa else {}
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale, **extra)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if bias is None else bias,
+                                          dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                          **extra)
+
+
+#: an entry of a learned bias this far below its row's largest is a mask: ``exp`` of it
+#: underflows to 0 in float32 and float64 alike, whatever q k^T adds within that margin
+MASKED_BELOW = 1e3
+
+
+def _pack_bias(session, bias: torch.Tensor, q: torch.Tensor, level) -> tuple:
+    """A learned bias as backward needs it (see the module docstring): ``(kept,)`` or
+    ``(masked, values)``."""
+    bits = level.nonlinear_bits
+    if bias.is_leaf:
+        return (bias,)  # a parameter (a leaf that requires grad): held anyway, costs nothing
+    if bits is None:
+        return (session.keep_exact(bias, _BIAS_LABEL),)
+    detached = bias.detach()
+    floor = torch.finfo(bias.dtype).min / 2
+    masked = (detached < detached.amax(-1, keepdim=True) - MASKED_BELOW) | (detached <= floor)
+    values = detached.masked_fill(masked, 0.0)
+    return (session.pack_bool(masked, "attention bias mask", replaces=(bias,)),
+            session.pack_fixed(values, bits, "attention bias"))
+
+
+def _unpack_bias(kept: tuple, dtype: torch.dtype) -> torch.Tensor:
+    if len(kept) == 1:
+        return get_many(list(kept))[0]
+    masked, values = get_many(list(kept))
+    return values.to(dtype).masked_fill(masked, torch.finfo(dtype).min)
 
 
 class RecomputedAttention(torch.autograd.Function):
@@ -54,13 +90,15 @@ class RecomputedAttention(torch.autograd.Function):
     the rest in backward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, options, level, session):
+    def forward(ctx, q, k, v, bias, options, level, session):
         device = q.device
         ctx.rng = _rng_state(device) if options[1] > 0 else None
         ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
                         torch.get_autocast_dtype(device.type))
-        out = _sdpa(q, k, v, options)
+        out = _sdpa(q, k, v, options, bias)
         session.count(out)  # what PyTorch's backends keep besides q, k and v
+        ctx.bias = None if bias is None else _pack_bias(session, bias, q, level)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         bits = level.nonlinear_bits
         v_bits = level.sensitive_width
         if bits is None:
@@ -76,12 +114,15 @@ class RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         check_double_backward()
-        needs = ctx.needs_input_grad[:3]
+        needs = ctx.needs_input_grad[:4]
         inputs = [t.detach().requires_grad_(need) for t, need in
-                  zip(get_many([take(ctx, name) for name in "qkv"]), needs, strict=True)]
+                  zip(get_many([take(ctx, name) for name in "qkv"]), needs[:3], strict=True)]
+        if ctx.bias is not None:
+            inputs.append(_unpack_bias(take(ctx, "bias"), ctx.bias_dtype).detach()
+                          .requires_grad_(needs[3]))
         with torch.enable_grad(), _replayed(ctx), plain_saving():
-            out = _sdpa(*inputs, ctx.options)
-        wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
+            out = _sdpa(*inputs[:3], ctx.options, *inputs[3:])
+        wanted = [t for t, need in zip(inputs, needs, strict=False) if need]
         found = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         return (*(next(found) if need else None for need in needs), None, None, None)
 

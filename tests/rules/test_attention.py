@@ -158,3 +158,103 @@ def test_small_q_k_v_are_packed_and_read_in_one_kernel_call_each_way(monkeypatch
     big = qkv(seq=128)  # 16,384 elements each: a call each, no shared copy
     input_grads(fn, big, level(8, nonlinear_bits=8), 1)
     assert sorted(calls) == ["pack_at"] * 3 + ["unpack_at"] * 3
+
+
+# -- a learned additive bias (attn_mask that requires grad: a relative position bias) -------
+
+MIN = torch.finfo(torch.float32).min
+
+
+def biases(seq=32, seed=3):
+    """A parameter broadcast over the batch, the dense bias a model builds from one per call
+    (causal entries at the dtype's minimum, as Hugging Face's ``where`` writes them), and one
+    broadcast over the heads."""
+    param = torch.randn(1, 4, seq, seq, generator=torch.Generator().manual_seed(seed))
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    return {
+        "parameter": lambda p: p,
+        "dense_causal": lambda p: torch.where(causal, p.expand(2, 4, seq, seq), MIN),
+        "per_head_broadcast": lambda p: p[:, :1].expand(2, 1, seq, seq) * 1.0,
+    }, param.requires_grad_()
+
+
+def biased(make):
+    return lambda q, k, v, p: F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0,
+                                                             attn_mask=make(p))
+
+
+@pytest.mark.parametrize("case", ["parameter", "dense_causal", "per_head_broadcast"])
+def test_learned_bias_gradient_is_unbiased_and_close_at_8_bits(case):
+    makes, param = biases()
+    inputs = (*qkv(), param)
+    fn = biased(makes[case])
+    exact = exact_grads(fn, inputs)
+    close = input_grads(fn, inputs, level(8, nonlinear_bits=8), 1)
+    for name, g, e in zip(("q", "k", "v", "bias"), close, exact, strict=True):
+        assert relative_error(g[0], e[0]) < 0.02, name
+    got = input_grads(fn, inputs, level(2), 256)  # q, k and the bias exact, v at 2 bits
+    for name, g, e in zip(("q", "k", "bias"), (got[0], got[1], got[3]),
+                          (exact[0], exact[1], exact[3]), strict=True):
+        assert relative_error(g[0], e[0]) > 1e-3, name  # v was rounded
+        assert shrinks_like_noise(g, e[0], small=8, large=256) < 0.25, name
+
+
+def test_learned_bias_is_packed_with_its_mask_and_nothing_kept_exact():
+    makes, param = biases(seq=64)
+    q, k, v = qkv(seq=64)
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        y = biased(makes["dense_causal"])(q, k, v, param)
+    y.sum().backward()
+    s = st[0]
+    assert s.exact == {}
+    bias_elements = 2 * 4 * 64 * 64
+    assert s.by_kind["attention bias"] < bias_elements * 1.1  # 8 bits, not PyTorch's 32
+    assert s.by_kind["attention bias mask"] <= bias_elements // 8
+    assert s.ratio > 4
+    # the masked entries come back masked: their gradient is exactly 0, as PyTorch's
+    assert torch.count_nonzero(param.grad.triu(1)) == 0
+
+
+def test_parameter_bias_is_a_reference():
+    makes, param = biases(seq=64)
+    q, k, v = qkv(seq=64)
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        biased(makes["parameter"])(q, k, v, param).sum().backward()
+    assert set(st[0].by_kind) == {"attention q/k", "attention v"}
+
+
+@pytest.mark.parametrize("backend", ["MATH", "FLASH_ATTENTION"])
+def test_learned_bias_on_every_cpu_backend(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    makes, param = biases()
+    inputs = (*qkv(), param)
+    fn = biased(makes["dense_causal"])
+    with sdpa_kernel([getattr(SDPBackend, backend), SDPBackend.MATH]):
+        exact = exact_grads(fn, inputs)
+        got = input_grads(fn, inputs, level(8, nonlinear_bits=8), 1)
+    for g, e in zip(got, exact, strict=True):
+        assert relative_error(g[0], e[0]) < 0.02
+
+
+def test_eager_spelling_of_a_learned_bias_is_covered_by_the_op_rules():
+    """``softmax(q k^T * scale + bias) v`` in ops: the matmuls and softmax rules round what
+    they save (linear in each: unbiased), the add saves nothing."""
+    makes, param = biases(seq=64)
+    q, k, v = qkv(seq=64)
+
+    def eager(q, k, v, p):
+        scores = (q * 1.0) @ (k * 1.0).transpose(-1, -2) * 0.25 + makes["dense_causal"](p)
+        return scores.softmax(-1) @ (v * 1.0)
+
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        eager(q, k, v, param).sum().backward()
+    assert st[0].exact == {} and st[0].ratio > 6
+    inputs = (q, k, v, param)
+    exact = exact_grads(eager, inputs)
+    got = input_grads(eager, inputs, level(2), 256)
+    for name, g, e in zip(("q", "k", "v", "bias"), got, exact, strict=True):
+        assert shrinks_like_noise(g, e[0], small=8, large=256) < 0.25, name
