@@ -11,9 +11,8 @@ imports their library.
 :func:`actune.compressed` alone, :func:`fused_modules` does the same at run time: global
 module hooks run a listed module's own forward without recording gradients, and hand on the
 one op's output (recorded, under the rules) in its place. Its own forward's values are the
-same (a few elementwise ops, computed twice). Not on fake tensors: the tuner's estimates run
-the module's own code (its peak tracker reads the no-grad chain as optimizer work, and the
-chain keeps a little more, so the estimate errs on the safe side).
+same (a few elementwise ops, computed twice). On fake tensors too: the tuner's estimates run
+what a real step runs.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules import module as nn_module
 
 __all__ = ["FUSED", "Fused", "class_name", "fused_modules", "fused_of"]
@@ -107,7 +105,7 @@ def _pre_hook(module: nn.Module, args: tuple) -> None:
     fn = None
     if (entry is not None and len(args) == 1 and isinstance(args[0], torch.Tensor)
             and torch.is_grad_enabled() and args[0].is_floating_point()
-            and not is_fake(args[0]) and entry.fits(module, args[0]) and when()):
+            and entry.fits(module, args[0]) and when()):
         fn = entry.run
     _stack().append((module, fn))
     if fn is not None:

@@ -16,7 +16,8 @@ Parameters (and their autocast copies) stay references; a storage saved by sever
 packed once; boolean masks take 1 bit; tensors with fewer than ``level.min_numel`` elements are
 kept. The inputs that ``torch.utils.checkpoint`` keeps for recomputation (a checkpointed
 region's boundary) are packed at the level's ``nonlinear_bits``; inside the region
-checkpointing's own hooks save, and nothing is routed. Double backward (``create_graph=True``)
+checkpointing's own hooks save, and what its recomputation saves is packed as
+:mod:`actune.recompute` says. Double backward (``create_graph=True``)
 raises: the saved values are not differentiable.
 
 This module holds the session (levels, the packed-storage cache, the statistics); the functions
@@ -27,14 +28,12 @@ for one saved tensor (device or host, and how it comes back) in :mod:`actune.sav
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils.checkpoint as checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -50,6 +49,13 @@ from actune.quant import (
     quantize_samples,
 )
 from actune.quant_batch import quantize_many
+from actune.recompute import (
+    REENTRANT,
+    checkpoint_saver,
+    checkpoint_saving,
+    compress_recomputation,
+    compress_reentrant,
+)
 from actune.rules import op_name
 from actune.saved import Derived, Saved, feature_major, row_statistic
 
@@ -150,6 +156,9 @@ class _Session:
         # tensors a batch norm may write its result over, once (allow_overwrite)
         self.overwritable = WeakIdKeyDictionary()
         self._exit: contextlib.ExitStack | None = None
+        # the level of a reentrant checkpoint whose forward ran in this pass (see
+        # reentrant_outputs): its backward node is found among later ops' arguments
+        self.reentrant_level: Level | None = None
 
     def fusing(self) -> bool:
         """Does this session compress what is saved now (a compressing level, and its hooks
@@ -198,8 +207,10 @@ class _Session:
             derived = self._derived(t, bits, new)
             if derived is not None:
                 return derived
-        if bits is None and self.op is None and _saved_by_checkpoint():
-            bits = level.nonlinear_bits  # the region is recomputed from these: nonlinear
+        saver = checkpoint_saver() if bits is None and self.op is None else None
+        if saver is not None:
+            self._compress_recomputation(saver, t)
+            bits = level.boundary_width  # the region is recomputed from these: nonlinear
             if bits is not None and t.is_floating_point() and n >= level.min_numel:
                 return self._pack(t, bits, _BOUNDARY)
             return self._keep(t, new, _BOUNDARY)
@@ -217,6 +228,37 @@ class _Session:
         zeros = self.kind == _ZEROS  # (accounted as PackedReLU's are)
         return self._pack(t, bits, "relu" if zeros else self.kind, by_feature=by_feature,
                           zero_code=zeros)
+
+    def _compress_recomputation(self, saver: object, t: torch.Tensor) -> None:
+        """A checkpointed region saves its input ``t``: compress what its recomputation
+        saves too, at this level's uniform widths (:mod:`actune.recompute`)."""
+        level = self.level
+        if level.exact:
+            return
+        # what the recomputation saves is held for one region only: at the level's sensitive
+        # width it costs little and adds less noise than the level's own rules
+        # (docs/training.md, "Checkpointed regions"); read soon after, so never offloaded
+        wide = level.sensitive_width
+        widths = {} if wide is None else {
+            "matmul_bits": level.matmul_bits and max(level.matmul_bits, wide),
+            "other_bits": max(level.other_bits, wide)}
+        level = level.with_(offload=False, defrag=False, avg_bits=None, **widths)
+        if saver is not REENTRANT:
+            recomputing = _Session()
+            recomputing._set_level(level)
+            compress_recomputation(saver, recomputing)
+            return
+        self.reentrant_level = level  # its backward node is made after: see reentrant_outputs
+        self.reentrant_outputs((t,))  # (the region before, if its output is this input)
+
+    def reentrant_outputs(self, tensors) -> None:
+        """Compress the recomputation of the reentrant checkpoints whose outputs are among
+        ``tensors`` (the arguments of an op after a reentrant region's forward)."""
+        level = self.reentrant_level
+        for t in tensors:
+            fn = t.grad_fn if isinstance(t, torch.Tensor) else None
+            if fn is not None and type(fn).__name__ == "CheckpointFunctionBackward":
+                compress_reentrant(fn, lambda: compressed(level))
 
     @staticmethod
     def unpack_hook(saved: object) -> torch.Tensor:
@@ -477,6 +519,7 @@ class _Session:
         self.seed = None
         self.derived.clear()
         self.last_offloaded = None
+        self.reentrant_level = None
 
     def push(self, level: Level) -> None:
         if not self.levels:
@@ -511,34 +554,6 @@ class _Session:
             self.stats = CompressionStats()
 
     stats_sink: Callable[[CompressionStats], None] | None = None
-
-
-_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
-_SAVE_INPUTS = checkpoint._CheckpointFrame.save_inputs.__code__
-_APPLY = torch.autograd.Function.apply.__func__.__code__
-
-
-def _checkpoint_saving() -> bool:
-    """Are torch.utils.checkpoint's saved-tensor hooks the innermost ones?"""
-    top = top_hooks(False)
-    return top is not None and getattr(top[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS)
-
-
-def _saved_by_checkpoint() -> bool:
-    """Is the tensor being packed an input that torch.utils.checkpoint keeps to recompute its
-    region from (non-reentrant: ``_CheckpointFrame.save_inputs``; reentrant: the
-    ``CheckpointFunction``'s own saved inputs)? Read from the callers' frames: the pack hook is
-    called from C++ by the code that saves."""
-    frame = sys._getframe(2)  # (1: pack_hook itself)
-    for _ in range(2):
-        if frame is None:
-            return False
-        if frame.f_code is _SAVE_INPUTS:
-            return True
-        if frame.f_code is _APPLY:
-            return frame.f_locals.get("cls") is checkpoint.CheckpointFunction
-        frame = frame.f_back
-    return False
 
 
 _local = threading.local()
@@ -592,7 +607,7 @@ def compressed(level: str | Level = "L3",
     """
     lv = get_level(level)
     s = _session()
-    if (lv.exact and stats is None) or _checkpoint_saving():
+    if (lv.exact and stats is None) or checkpoint_saving():
         # L0: plain PyTorch, not even the hooks; in a checkpointed region (its forward or its
         # recomputation) checkpointing saves, and a compressed layer there runs as it is
         yield lv

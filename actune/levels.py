@@ -35,7 +35,8 @@ class Level:
     saved tensors whose rounding noise reaches every gradient before them (the loss's
     probabilities, the root of backward; attention's v, which sets the small gradients of q
     and k; the two operands of a gated product, each multiplying the other's whole gradient);
-    ``None``: ``other_bits``. ``avg_bits``: mixed
+    ``None``: ``other_bits``. ``boundary_bits``: bits for the inputs a checkpointed region
+    keeps to recompute itself from (``None``: ``nonlinear_bits``). ``avg_bits``: mixed
     precision: an allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed
     tensor, and each sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the
     gradient is sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).
@@ -51,11 +52,13 @@ class Level:
     min_numel: int = 1024
     nonlinear_bits: int | None = None
     sensitive_bits: int | None = None
+    boundary_bits: int | None = None
     avg_bits: float | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("matmul_bits", "other_bits", "nonlinear_bits", "sensitive_bits"):
+        for field in ("matmul_bits", "other_bits", "nonlinear_bits", "sensitive_bits",
+                      "boundary_bits"):
             bits = getattr(self, field)
             if bits is not None:
                 try:
@@ -80,6 +83,11 @@ class Level:
         if self.other_bits is None:
             return None
         return self.sensitive_bits if self.sensitive_bits is not None else self.other_bits
+
+    @property
+    def boundary_width(self) -> int | None:
+        """The bits of a checkpointed region's inputs (None: exact)."""
+        return self.boundary_bits if self.boundary_bits is not None else self.nonlinear_bits
 
     @functools.cached_property  # (read on every routed call; the level is frozen)
     def exact(self) -> bool:

@@ -99,6 +99,8 @@ class FunctionMode(TorchFunctionMode):
         top = top_hooks(False)
         if top is None or top[0] is not s.hook:  # a checkpointed region, save_on_cpu...
             return func(*args, **kwargs)
+        if s.reentrant_level is not None:  # a reentrant checkpoint's output, maybe
+            s.reentrant_outputs(args)
         ap = None if s.autoprec is None else s.allocator()
         if ap is None or not ap.collecting:
             out = self._run(func, args, kwargs)
@@ -121,22 +123,7 @@ class FunctionMode(TorchFunctionMode):
     def _run(self, func, args, kwargs):
         s = self.s
         rule = RULES.get(func)
-        previous = s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids
-        s.exact_ids = ()
-        only, refs = None, ()
-        if rule is not None and rule.only_input_shape and isinstance(args[0], torch.Tensor):
-            # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
-            # the tensor of the input's shape, may be rounded; its weight, bias and running
-            # statistics are references
-            only = args[0].shape
-            refs = set(map(id, (*args[1:], *kwargs.values())))  # (identities: all may stay)
-        s.kind, s.only_shape, s.references, s.op = (
-            rule.bits if rule is not None else None, only, refs, func)
-        # features last: a norm's input, or a matmul's activation times a weight (not two
-        # activations, as attention's scores and probabilities are)
-        s.features = rule is not None and rule.features_last and (
-            rule.family != "matmul"
-            or any(isinstance(a, torch.Tensor) and parameter_like(a) for a in args))
+        previous = _label(s, func, rule, args, kwargs)
         try:
             if (rule is not None and rule.replace is not None and not s.level.exact
                     and isinstance(args[0], torch.Tensor)):
@@ -146,6 +133,7 @@ class FunctionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids = previous
+
 
     def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
                kwargs) -> None:
@@ -183,6 +171,49 @@ class FunctionMode(TorchFunctionMode):
             return
         ap.watch(touched, out, 1.0, relayed=True, reach_all=False)
 
+
+def _label(s, func, rule, args, kwargs) -> tuple:
+    """Tell session ``s`` which op runs and how its rule keeps what it saves (the pack hook
+    reads it); returns what to restore after the call."""
+    previous = s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids
+    s.exact_ids = ()
+    only, refs = None, ()
+    if rule is not None and rule.only_input_shape and isinstance(args[0], torch.Tensor):
+        # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
+        # the tensor of the input's shape, may be rounded; its weight, bias and running
+        # statistics are references
+        only = args[0].shape
+        refs = set(map(id, (*args[1:], *kwargs.values())))  # (identities: all may stay)
+    s.kind, s.only_shape, s.references, s.op = (
+        rule.bits if rule is not None else None, only, refs, func)
+    # features last: a norm's input, or a matmul's activation times a weight (not two
+    # activations, as attention's scores and probabilities are)
+    s.features = rule is not None and rule.features_last and (
+        rule.family != "matmul"
+        or any(isinstance(a, torch.Tensor) and parameter_like(a) for a in args))
+    return previous
+
+
+class LabelMode(TorchFunctionMode):
+    """Names each op for session ``s`` and runs it as it is, never substituted: for a
+    non-reentrant checkpoint's recomputation, whose saved tensors must be the ones PyTorch's
+    own ops save (the original forward's graph reads them), packed as each op's rule bits say
+    (:mod:`actune.recompute`)."""
+
+    def __init__(self, session) -> None:
+        super().__init__()
+        self.s = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _QUERIES or not args or not _needs_grad(args, kwargs):
+            return func(*args, **kwargs)
+        s = self.s
+        previous = _label(s, func, RULES.get(func), args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids = previous
 
 #: torch.compile cannot capture the routing (Python state, hooks): inside a compiled region
 #: every call under compressed() runs eagerly, so compression stays correct. Only a call that

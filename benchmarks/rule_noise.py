@@ -101,6 +101,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--warm", type=int, default=150, help="L0 steps before measuring")
     parser.add_argument("--draws", type=int, default=8)
+    parser.add_argument("--checkpoint", choices=("none", "reentrant", "non-reentrant"),
+                        default="none", help="Hugging Face gradient checkpointing of every "
+                                             "block, in that mode (the exact gradient without)")
+    parser.add_argument("--boundary-bits", type=int, default=None,
+                        help="bits of a checkpointed block's inputs (default: the level's)")
     parser.add_argument("--bias", action="store_true",
                         help="also print each group's squared bias (mean of the draws against "
                              "the exact gradient, less var/K) over SGD's variance")
@@ -118,9 +123,14 @@ def main() -> None:
     ids = next(it)
     sgd = variance([gradients(model, next(it), None, args.form) for _ in range(args.draws)],
                    names)
+    level = actune.get_level(args.level)
+    if args.boundary_bits is not None:
+        level = level.with_(name=f"{level.name}, boundary {args.boundary_bits} bits",
+                            boundary_bits=args.boundary_bits)
     exact = gradients(model, ids, None, args.form)
     groups = list(dict.fromkeys(map(group_of, names)))
-    table = Table(title=f"{args.family} ({args.form}) at {args.level} after {args.warm} L0 "
+    table = Table(title=f"{args.family} ({args.form}, checkpoint {args.checkpoint}) at "
+                        f"{level.name} after {args.warm} L0 "
                         f"steps: rounding variance / SGD variance, {args.draws} draws")
     table.add_column("rules removed")
     table.add_column("total", justify="right")
@@ -132,12 +142,15 @@ def main() -> None:
         try:
             twin = copy.deepcopy(model)
             twin.ap = None
+            if args.checkpoint != "none":
+                twin.gradient_checkpointing_enable(
+                    {"use_reentrant": args.checkpoint == "reentrant"})
             if args.form == "compress":
-                actune.compress(twin, args.level)
-            elif args.form == "compressed-autoprec" and actune.get_level(args.level).avg_bits:
-                twin.ap = actune.AutoPrecision(avg_bits=actune.get_level(args.level).avg_bits)
+                actune.compress(twin, level)
+            elif args.form == "compressed-autoprec" and level.avg_bits:
+                twin.ap = actune.AutoPrecision(avg_bits=level.avg_bits)
             torch.manual_seed(5)
-            draws = [gradients(twin, ids, args.level, args.form) for _ in range(args.draws)]
+            draws = [gradients(twin, ids, level, args.form) for _ in range(args.draws)]
             quant = variance(draws, names)
         finally:
             rules.RULES.clear()

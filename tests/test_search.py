@@ -222,3 +222,20 @@ def test_a_local_slope_that_falls_short_is_used_once():
                              start=8, budget=budget)
     assert result.value == 2344
     assert len(result.probes) <= 8, [p.size for p in result.probes]
+
+
+def test_a_peak_set_by_the_optimizer_step_does_not_send_the_search_far():
+    """A large model's peak at a small batch is its optimizer's step (``fixed`` plus almost
+    nothing); the activations, gone by then, are what grows. A line from (0, fixed) through
+    that peak would point to batches hundreds of times too large, each a probe of minutes
+    (a 1B-shaped Llama at 1,024 tokens): the search takes a second size instead."""
+    fixed = 100_000
+
+    def trial(n: int) -> Probe:
+        activations = 5_000 * n
+        peak = max(fixed + 16, 60_000 + activations)  # optimizer step, or forward/backward
+        return Probe(n, peak <= 200_000, peak, fixed=fixed, grows=activations)
+
+    result = largest_fitting(trial, start=8, budget=200_000)
+    assert result.value == 28
+    assert max(p.size for p in result.probes) <= 4 * 28

@@ -12,8 +12,8 @@ that. A learned additive bias (a float ``attn_mask`` that requires grad: a relat
 bias) gets its gradient from the same recomputation; the bias is kept as a reference when it
 is a parameter, else as a 1-bit mask of the entries it masks (far below their row's largest:
 ``exp`` of them is 0) and the rest at ``nonlinear_bits`` (it enters the softmax nonlinearly,
-like q and k; exact where the level sets none). Eager attention (matmuls, the bias's add, softmax, dropout) is
-covered by those ops' own rules.
+like q and k; exact where the level sets none). Eager attention (matmuls, the bias's add,
+softmax, dropout) is covered by those ops' own rules.
 """
 
 from __future__ import annotations

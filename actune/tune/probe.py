@@ -117,7 +117,7 @@ class Trial:
                 return Probe(batch, False, None)
             raise
         return Probe(batch, peak.total <= budget, peak.total,
-                     peak.parameters + peak.gradients + peak.optimizer)
+                     peak.parameters + peak.gradients + peak.optimizer, peak.saved)
 
 
 #: Built and warmed-up fake models of recent estimate trials (the workload, the fake mode,

@@ -25,6 +25,9 @@ class Probe:
     fits: bool
     peak: int | None = None
     fixed: int | None = None
+    # bytes known to grow with the size somewhere in the step (what it keeps for backward):
+    # a peak above ``fixed`` by less was set where they are gone (the optimizer's step)
+    grows: int | None = None
 
 
 @dataclass
@@ -126,8 +129,12 @@ def _secant(probe, lo: int, step: int, maximum: int | None,
     start = probe(lo)
     fit = [(lo, start.peak)]
     hi = hi_peak = None
-    if start.fixed is not None and 0 <= start.fixed < start.peak:
+    if (start.fixed is not None and 0 <= start.fixed < start.peak
+            and (start.grows is None or start.peak - start.fixed >= start.grows)):
         fit.insert(0, (0, start.fixed))  # the line from the size-independent bytes predicts
+    # (else the bytes that grow with the size do not show in the peak, set elsewhere, by the
+    # optimizer's step over a large model: such a line would point far past the answer, to
+    # sizes whose probes take minutes; a second size gives the line)
     else:  # a second size gives the line
         first = lo * 2 if maximum is None else min(lo * 2, maximum)
         if first == lo:

@@ -217,3 +217,20 @@ def test_a_simulated_offload_moves_all_of_a_packed_tensors_bytes_as_one_buffer()
     assert host.meta is None and host.codes.device.type == "meta"
     assert host.nbytes == packed.nbytes == 16 * 64 + 16 * 4  # 16 groups: codes, metadata
     assert (out.shape, out.dtype, out.device.type) == (x.shape, x.dtype, "cpu")
+
+
+@pytest.mark.parametrize("path", ["docs/examples/hf_gpt2.py", "docs/examples/hf_llama.py"])
+def test_estimate_of_a_hugging_face_model_agrees_with_the_measured_cpu_peak(path):
+    """The estimate runs what a real step runs: the inline GELU and RMSNorm modules as one op
+    each under fake tensors too (not their own chain, which keeps more: 9% more saved bytes,
+    74 samples where 84 fit for GPT-2 small under 16 GiB)."""
+    pytest.importorskip("transformers")
+    from actune.tune.workload import load
+
+    workload = load(path)
+    sizes = {"resolution": 32, "depth": 0.17, "width": 0.13}
+    for level in ("L3", "L3+ckpt"):
+        estimate = Trial(workload, level, sizes, "estimate").peak(2)
+        measured = Trial(workload, level, sizes, "measure").peak(2)
+        assert abs(estimate.saved - measured.saved) <= 0.01 * measured.saved, level
+        assert abs(estimate.total - measured.total) <= 0.01 * measured.total, level
