@@ -67,6 +67,10 @@ FUSED: dict[str, Fused] = {
         "packed derivative (other bits): the inline tanh GELU computed as "
         "F.gelu(approximate='tanh')", _tanh_gelu)
        for name in ("NewGELUActivation", "FastGELUActivation")},
+    # Bloom's tanh GELU, an autograd function of its own that keeps its input exact
+    "transformers.models.bloom.modeling_bloom.BloomGelu": Fused(
+        "packed derivative (other bits): Bloom's tanh GELU computed as "
+        "F.gelu(approximate='tanh')", _tanh_gelu),
     # weight * x * rsqrt(mean(x**2) + eps), statistics in float32 (not Gemma's 1 + weight)
     **{f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": Fused(
         "packed normalised input (other bits), shared with the matmul reading the output: "
