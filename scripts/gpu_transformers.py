@@ -2,8 +2,9 @@
 
 For each backend the device's build offers (CUDA: math, flash, memory-efficient, cuDNN; CPU:
 math, flash), in float32 and bfloat16: the gradients of q, k and v through
-``F.scaled_dot_product_attention`` (causal, and with a boolean mask where the backend takes
-one) at 8 bits against PyTorch's exact ones, and whether anything large stayed exact. Then
+``F.scaled_dot_product_attention`` (causal, with a boolean mask where the backend takes one,
+and with a learned bias that requires grad, T5's) at 8 bits against PyTorch's exact ones, and
+whether anything large stayed exact. Then
 GPT-2 (``GPT2Config()`` shape, ``--layers`` layers) at batch ``--batch`` x ``--tokens``: samples/s
 and saved bytes at L0 and L3, alternated steps.
 
@@ -34,26 +35,34 @@ def backends(device: str, dtype: torch.dtype, seq: int) -> list[str]:
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_()
                for _ in range(3))
     mask = torch.rand(seq, seq, device=device, generator=gen) > 0.2
+    # a learned relative position bias, built per call as Hugging Face's T5 does under SDPA
+    bias = (torch.randn(1, 8, seq, seq, device=device, dtype=dtype, generator=gen)
+            .requires_grad_())
+    causal = torch.ones(seq, seq, device=device, dtype=torch.bool).tril()
     eight = Level("u8-all", matmul_bits=8, other_bits=8, masks=True, nonlinear_bits=8)
+    cases = {"causal": lambda: {"is_causal": True}, "mask": lambda: {"attn_mask": mask},
+             "learned bias": lambda: {"attn_mask": torch.where(
+                 causal, bias.expand(2, -1, -1, -1), torch.finfo(dtype).min)}}
     for name in BACKENDS[device]:
-        for options in ({"is_causal": True}, {"attn_mask": mask}):
-            kind = "causal" if options.get("is_causal") else "mask"
+        for kind, options in cases.items():
             label = f"{name} {str(dtype).split('.')[-1]} {kind}"
+            inputs = (q, k, v, bias) if kind == "learned bias" else (q, k, v)
             try:
                 with sdpa_kernel(getattr(SDPBackend, name)):
-                    out = F.scaled_dot_product_attention(q * 1, k * 1, v * 1, **options)
-                    exact = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+                    out = F.scaled_dot_product_attention(q * 1, k * 1, v * 1, **options())
+                    exact = torch.autograd.grad(out.float().square().sum(), inputs)
                     st = []
                     with actune.compressed(eight, stats=st.append):
-                        out = F.scaled_dot_product_attention(q * 1, k * 1, v * 1, **options)
-                    got = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+                        out = F.scaled_dot_product_attention(q * 1, k * 1, v * 1, **options())
+                    got = torch.autograd.grad(out.float().square().sum(), inputs)
             except RuntimeError as err:  # the backend does not take these inputs
                 lines.append(f"{label}: not available ({str(err).splitlines()[0][:80]})")
                 continue
             errs = [((g - e).float().norm() / e.float().norm()).item()
                     for g, e in zip(got, exact, strict=True)]
+            extra = f" bias {errs[3]:.4f}" if len(errs) > 3 else ""
             lines.append(f"{label}: relative error q {errs[0]:.4f} k {errs[1]:.4f} "
-                         f"v {errs[2]:.4f}; kept exact {st[0].exact or 'nothing'}; "
+                         f"v {errs[2]:.4f}{extra}; kept exact {st[0].exact or 'nothing'}; "
                          f"saved {st[0].saved_bytes / 2**20:.1f} MiB -> "
                          f"{st[0].kept_bytes / 2**20:.2f} MiB")
     return lines
