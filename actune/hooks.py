@@ -503,9 +503,10 @@ class _Session:
         return [self._hold(self._new(p), kind, (t,))
                 for p, (t, _, kind) in zip(packed, items, strict=True)]
 
-    def pack_small_ints(self, values: torch.Tensor, kind: str, replaces: tuple = ()) -> Saved:
-        """Integers in [0, 256) kept exactly in one byte each."""
-        return self._hold(self._new(values.to(torch.uint8)), kind, replaces)
+    def pack_small_ints(self, values: torch.Tensor, kind: str, replaces: tuple = (),
+                        dtype: torch.dtype = torch.uint8) -> Saved:
+        """Integers kept exactly in ``dtype`` (one byte each by default: values in [0, 256))."""
+        return self._hold(self._new(values.to(dtype)), kind, replaces)
 
     def pack_bool(self, mask: torch.Tensor, kind: str, replaces: tuple = ()) -> Saved:
         return self._hold(self._new(pack_mask(mask)), kind, replaces)

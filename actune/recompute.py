@@ -3,9 +3,10 @@ compressed too.
 
 ``torch.utils.checkpoint`` keeps a region's inputs and runs its forward again in backward. The
 inputs (the region's boundary) go through the pack hook and are packed at the level's
-``boundary_bits`` (default ``nonlinear_bits``: the recomputation reads them nonlinearly). What the recomputation saves
-is held until backward reads it, one region at a time; exact, one ResNet-50 block at a large
-batch outweighs every block compressed. So, in both of PyTorch's checkpoint modes:
+``boundary_bits`` (default ``nonlinear_bits``: the recomputation reads them nonlinearly).
+What the recomputation saves is held until backward reads it, one region at a time; exact,
+one ResNet-50 block at a large batch outweighs every block compressed. So, in both of
+PyTorch's checkpoint modes:
 
 * **non-reentrant** (``use_reentrant=False``, the tuner's ``ckpt``): the original forward's
   graph reads the recomputed tensors (its nodes are PyTorch's own ops), so the recomputation

@@ -3,7 +3,8 @@ sin, cos, and embeddings.
 
 * A product ``a * b`` saves each operand for the other's gradient: linear in each, so they are
   rounded at ``other_bits`` (unbiased). The same holds for ``exp`` (backward ``grad * y``),
-  ``x ** 2`` and ``square`` (backward ``2 * grad * x``) and an embedding (it saves indices).
+  ``x ** 2`` and ``square`` (backward ``2 * grad * x``). An embedding saves its indices: kept
+  exact, in the narrowest integer type its table's rows need.
 * Every other op here has a nonlinear backward in what it saves; it saves its derivative,
   rounded and used linearly, instead (GPT-2's ``x ** 3``, RMSNorm's ``rsqrt``, ...).
 
@@ -23,8 +24,51 @@ from actune.rules.activations import compressible
 from actune.saved import check_double_backward, feature_major, take
 from actune.substitutes import SavedDerivative, arg
 
-register((torch.exp, torch.Tensor.exp, torch.square, torch.Tensor.square, F.embedding),
+register((torch.exp, torch.Tensor.exp, torch.square, torch.Tensor.square),
          "elementwise", "other", "operands rounded at other bits (backward linear in each)")(None)
+
+
+@register((F.embedding,), "elementwise", "other",
+          "indices exact, in the narrowest integer type the table's rows need")
+def embedding(s, func, args, kwargs, level):
+    """An embedding saves its indices (int64) for the weight's gradient: kept exact in uint8
+    up to 256 rows (T5's relative-position buckets), int16 up to 32,768, else int32; the
+    table's size bounds them, so no value is read to choose."""
+    ids, weight = args[0], arg(args, kwargs, 1, "weight", None)
+    padding_idx = arg(args, kwargs, 2, "padding_idx", None)
+    if (not isinstance(weight, torch.Tensor) or not weight.requires_grad
+            or arg(args, kwargs, 3, "max_norm", None) is not None
+            or arg(args, kwargs, 6, "sparse", False) or ids.is_floating_point()
+            or ids.numel() < level.min_numel):
+        return None
+    rows = weight.shape[0]
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += rows
+    return CompactEmbedding.apply(weight, ids, -1 if padding_idx is None else padding_idx,
+                                  bool(arg(args, kwargs, 5, "scale_grad_by_freq", False)), s)
+
+
+class CompactEmbedding(torch.autograd.Function):
+    """``F.embedding`` keeping its indices in the narrowest integer type (see
+    :func:`embedding`); its backward is PyTorch's."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, session):
+        rows = weight.shape[0]
+        dtype = (torch.uint8 if rows <= 256 else torch.int16 if rows <= 32768
+                 else torch.int32)
+        ctx.ids = session.pack_small_ints(ids, "embedding indices", (ids,), dtype)
+        ctx.conf = (rows, padding_idx, scale_grad_by_freq)
+        return F.embedding(ids, weight, None if padding_idx < 0 else padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        rows, padding_idx, scale_grad_by_freq = ctx.conf
+        ids = take(ctx, "ids").get().long()
+        return (torch.ops.aten.embedding_dense_backward(grad, ids, rows, padding_idx,
+                                                        scale_grad_by_freq),
+                None, None, None, None)
 
 
 @register((torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 import actune
 from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
@@ -91,3 +92,22 @@ def test_tensor_exponents_and_out_of_place_arguments_fall_back_exactly(dtype):
     got = input_grads(fn, (x, e), level(2), 1)
     for a, b in zip(got, exact, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("rows", "padding_idx", "scale", "width"),
+                         [(200, None, False, 1), (300, 3, False, 2), (40000, -1, True, 4)])
+def test_embedding_indices_in_the_narrowest_type_its_table_needs(rows, padding_idx, scale,
+                                                                  width):
+    """uint8 up to 256 rows (T5's relative-position buckets), int16 up to 32,768, else int32:
+    the weight's gradient is PyTorch's exactly."""
+    w = torch.randn(rows, 16, requires_grad=True)
+    ids = torch.randint(0, rows, (64, 32), generator=torch.Generator().manual_seed(0))
+    g = torch.randn(64, 32, 16, generator=torch.Generator().manual_seed(1))
+    (F.embedding(ids, w, padding_idx, scale_grad_by_freq=scale) * g).sum().backward()
+    exact, w.grad = w.grad.clone(), None
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        y = F.embedding(ids, w, padding_idx, scale_grad_by_freq=scale)
+    (y * g).sum().backward()
+    assert torch.equal(w.grad, exact)
+    assert st[0].by_kind == {"embedding indices": ids.numel() * width} and st[0].exact == {}
