@@ -158,12 +158,13 @@ CPU_MEASURE_CAVEAT = ("measured on the CPU: tensors only; oneDNN's internal copi
 
 
 def render(report: Report, console: Console) -> None:
-    """Print ``report`` as a table, with the device and budget in the title."""
-    title = (f"actune {report.command}: {report.model} on {report.device}, budget "
-             f"{human_bytes(report.budget_bytes)} ({report.budget_source}), {report.mode}")
+    """Print ``report`` as a table, with the device and budget in the title (where the
+    budget comes from on a line under the table: the title stays within 80 columns)."""
+    title = (f"actune {report.command}: {report.model}, {report.device}, budget "
+             f"{human_bytes(report.budget_bytes)}, {report.mode}")
     if report.fixed:
         title += ", " + ", ".join(f"{k} {v}" for k, v in report.fixed.items())
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)  # (a title would wrap to its width)
     show_host = report.command != "bench" and any(r.host_bytes for r in report.levels)
     label = "max batch" if report.dim == "batch" else f"max {report.dim}"
     cols = (("batch", "samples/s", "vs L0", "peak", "saved", "ratio")
@@ -193,7 +194,8 @@ def render(report: Report, console: Console) -> None:
             notes.setdefault(note, []).append(r.level)
     # long notes go under the table, levels with the same note on one line: the columns stay
     # within 80 (a pipe, a CI log)
-    lines = [f"{', '.join(levels)}: {note}" for note, levels in notes.items()]
+    lines = [f"budget {human_bytes(report.budget_bytes)}: {report.budget_source}"]
+    lines += [f"{', '.join(levels)}: {note}" for note, levels in notes.items()]
     places: dict[str, list[str]] = {}
     for r in report.levels:
         if r.peak_at:
@@ -215,6 +217,7 @@ def render(report: Report, console: Console) -> None:
         b = report.best
         lines.insert(0, f"fastest within the budget: {b['level']} at batch {b['batch']:,}, "
                         f"{b['samples_per_s']:,.1f} samples/s")
+    console.print(escape(title), overflow="fold")
     console.print(table)
     for line in lines:
         console.print(escape(line), overflow="fold")

@@ -73,3 +73,24 @@ def test_error_messages_with_brackets_print_as_written(tmp_path):
     result = CliRunner().invoke(app, ["maxbatch", str(path)])
     assert result.exit_code == 2
     assert "pip install 'actune[hf]'" in result.output
+
+
+def test_the_default_bench_title_fits_80_columns_on_one_line():
+    """The title is printed above the table, not as its title (which wraps to the table's
+    width), and where the budget comes from goes under the table."""
+    from rich.console import Console
+
+    from actune.report import LevelResult, Report, render
+
+    report = Report("bench", "resnet18", "CPU (x86_64)", 16 * 2**30,
+                    "simulated 16 GiB device (no GPU found; set --budget)", "estimate", "batch",
+                    {"resolution": 32})
+    report.levels = [LevelResult("L0", 64, 1.0, samples_per_s=219.2),
+                     LevelResult("L3", 64, 0.89, samples_per_s=194.8)]
+    console = Console(record=True, width=80)
+    render(report, console)
+    lines = console.export_text().splitlines()
+    assert lines[0] == ("actune bench: resnet18, CPU (x86_64), budget 16.0 GiB, estimate, "
+                        "resolution 32")
+    assert all(len(line) <= 80 for line in lines)
+    assert "budget 16.0 GiB: simulated 16 GiB device (no GPU found; set --budget)" in lines
