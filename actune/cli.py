@@ -398,7 +398,7 @@ def bench(
             else {}
         report = _run_job(run.bench, level_list, quiet, json_path, workload=workload,
                           settings=settings, batch=batch, at_max=at_max,
-                          sizes=sizes, steps=steps, warmup=warmup)
+                          sizes=sizes, steps=steps, warmup=warmup, answer=True)
         _plot(plot, workload, level_list, settings, report, sizes, quiet)
 
 

@@ -76,6 +76,9 @@ class Report:
     # scale --dim depth|width: the size at which parameters, gradients and optimizer state
     # alone fill the budget (the physical limit every level approaches)
     ceiling: float | None = None
+    # bench: the largest batch at L0 and at L3 under the budget, estimated, and how long that
+    # took ({"L0": 763, "L3": 2011, "seconds": 3.0}; a level that fits nothing: None)
+    answer: dict | None = None
 
     def choose_best(self) -> None:
         """Name the fastest level whose batch fits (``bench --at-max``)."""
@@ -205,6 +208,14 @@ def render(report: Report, console: Console) -> None:
                                               for where, levels in places.items()))
     lines += [f"{r.level} {describe_exact(r.kept_exact)}" for r in report.levels
               if sum(r.kept_exact.values()) >= 2**20]  # (under 1 MiB: not worth a line)
+    if report.answer:  # what a user came for, last
+        a = report.answer
+        sizes = ", ".join(f"{lv} {a[lv]:,}" if a[lv] else f"{lv} none" for lv in ("L0", "L3"))
+        times = f" ({a['L3'] / a['L0']:.1f}x)" if a["L0"] and a["L3"] else ""
+        answer_line = (f"largest batch under {human_bytes(report.budget_bytes)}: {sizes}{times}"
+                       f", estimated in {a['seconds']:.1f} s")
+    else:
+        answer_line = None
     if report.mode == "estimate":  # what the figures leave out
         lines.append(ESTIMATE_CAVEAT)
     elif report.device.startswith("CPU"):
@@ -219,5 +230,5 @@ def render(report: Report, console: Console) -> None:
                         f"{b['samples_per_s']:,.1f} samples/s")
     console.print(escape(title), overflow="fold")
     console.print(table)
-    for line in lines:
+    for line in lines + ([answer_line] if answer_line else []):
         console.print(escape(line), overflow="fold")

@@ -363,9 +363,11 @@ def throughputs(workload: Workload, runs: list[tuple], sizes: dict, device: str,
 
 def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | None,
           at_max: bool = False, sizes: dict | None = None, steps: int = 5, warmup: int = 2,
-          multiple_of: int = 1, on_probe: Callable | None = None,
+          multiple_of: int = 1, answer: bool = False, on_probe: Callable | None = None,
           on_level: Callable[[Report], None] | None = None) -> Report:
-    """Throughput and memory per level at one batch (or each level's own max batch)."""
+    """Throughput and memory per level at one batch (or each level's own max batch). With
+    ``answer`` (an estimate, one batch for all): also the largest batch at L0 and at L3 under
+    the budget, estimated (``report.answer``)."""
     sizes = sizes or {}
     report = Report("bench", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch", dict(sizes))
@@ -410,6 +412,13 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
                 on_level(report)
     if at_max:  # each level at its own max batch: name the fastest
         report.choose_best()
+        if on_level:
+            on_level(report)
+    elif answer and settings.mode == "estimate":
+        started = time.perf_counter()
+        found = maxbatch(workload, ["L0", "L3"], settings, sizes=sizes, multiple_of=multiple_of)
+        report.answer = {**{r.level: r.value for r in found.levels},
+                         "seconds": time.perf_counter() - started}
         if on_level:
             on_level(report)
     return report

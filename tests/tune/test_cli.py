@@ -103,9 +103,18 @@ def test_bench_runs_real_steps_and_relates_to_l0(tmp_path):
     result = run("bench", "--model", "tinycnn", "--resolution", "8", "--batch", "32",
                  "--levels", "L0,L3", "--steps", "2", "--warmup", "1", "--json", str(out))
     assert result.exit_code == 0, result.output
-    levels = json.loads(out.read_text())["levels"]
+    data = json.loads(out.read_text())
+    levels = data["levels"]
     assert levels[0]["ratio"] == 1.0 and levels[1]["samples_per_s"] > 0
     assert "samples/s" in result.output
+    # it ends with what a user came for: the largest batch at L0 and at L3, estimated
+    answer = data["answer"]
+    assert 0 < answer["L0"] < answer["L3"] and answer["seconds"] > 0
+    lines = result.output.strip().splitlines()
+    line = f"largest batch under 16.0 GiB: L0 {answer['L0']:,}, L3 {answer['L3']:,} ("
+    found = [i for i, text in enumerate(lines) if text.startswith(line)]
+    assert found and all(not text.startswith(("peak at", "estimate:")) for text in
+                         lines[found[0]:])  # after the table's notes
 
 
 @pytest.mark.parametrize(("args", "message"), [
