@@ -43,6 +43,9 @@ class LevelResult:
     peak_at: str = ""  # phase and innermost module at the peak, e.g. "forward, layer1.2.bn3"
     kept_exact: dict = field(default_factory=dict)  # bytes kept exact, by the op saving them
     samples_per_s: float | None = None
+    # bench at one batch: the interquartile range of the per-round speed ratios to L0 (the
+    # steps are timed in rounds): the run's own spread of ``ratio``
+    ratio_spread: list | None = None
     probes: list[dict] = field(default_factory=list)
     complete: bool = True
     capped: bool = False
@@ -198,6 +201,10 @@ def render(report: Report, console: Console) -> None:
     # long notes go under the table, levels with the same note on one line: the columns stay
     # within 80 (a pipe, a CI log)
     lines = [f"budget {human_bytes(report.budget_bytes)}: {report.budget_source}"]
+    spread = [f"{r.level} {r.ratio_spread[0]:.2f}-{r.ratio_spread[1]:.2f}x"
+              for r in report.levels if r.ratio_spread]
+    if spread:  # a difference from L0 inside this is the machine's noise, not a result
+        lines.append("vs L0, the middle half of the rounds: " + ", ".join(spread))
     lines += [f"{', '.join(levels)}: {note}" for note, levels in notes.items()]
     places: dict[str, list[str]] = {}
     for r in report.levels:

@@ -321,10 +321,18 @@ def throughput(workload: Workload, level, batch: int, sizes: dict, device: str,
 
 def throughputs(workload: Workload, runs: list[tuple], sizes: dict, device: str,
                 steps: int = 5, warmup: int = 2) -> list[float]:
-    """Samples per second of each (level, batch): every run gets its own model (same seed)
-    and ``warmup`` untimed steps, then the timed steps are taken in rounds, one step of each
-    run per round, so drift in the machine's speed (other work, a warming allocator) falls on
-    all runs alike. Each figure is the batch over the median of its ``steps`` step times."""
+    """Samples per second of each (level, batch): the batch over the median of its step
+    times (:func:`timed_rounds`)."""
+    times = timed_rounds(workload, runs, sizes, device, steps, warmup)
+    return [batch / statistics.median(t) for (_, batch), t in zip(runs, times, strict=True)]
+
+
+def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str,
+                 steps: int = 5, warmup: int = 2) -> list[list[float]]:
+    """Step times of each (level, batch), one list per run: every run gets its own model
+    (same seed) and ``warmup`` untimed steps, then the timed steps are taken in rounds, one
+    step of each run per round, so drift in the machine's speed (other work, a warming
+    allocator) falls on all runs alike."""
     cuda = device.startswith("cuda")
 
     def sync() -> None:
@@ -358,7 +366,17 @@ def throughputs(workload: Workload, runs: list[tuple], sizes: dict, device: str,
     for _ in range(steps):
         for i, state in enumerate(states):
             times[i].append(step(*state))
-    return [batch / statistics.median(t) for (_, batch), t in zip(runs, times, strict=True)]
+    return times
+
+
+def _round_ratios(base: list[float], times: list[float]) -> tuple[float, float]:
+    """The interquartile range of the per-round speed ratios (``base``'s step time over this
+    run's, one pair per round): the run's own spread of a "vs L0" figure."""
+    ratios = sorted(b / t for b, t in zip(base, times, strict=True))
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | None,
@@ -400,10 +418,14 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
         else:
             pending.append((row, level))
     if pending:  # one batch for all: their steps are timed in interleaved rounds
-        speeds = throughputs(workload, [(level, row.value) for row, level in pending], sizes,
+        times = timed_rounds(workload, [(level, row.value) for row, level in pending], sizes,
                              settings.device, steps, warmup)
-        for (row, _), speed in zip(pending, speeds, strict=True):
-            row.samples_per_s = speed
+        base = next((t for (row, _), t in zip(pending, times, strict=True)
+                     if row.level == "L0"), None)
+        for (row, _), t in zip(pending, times, strict=True):
+            row.samples_per_s = row.value / statistics.median(t)
+            if base is not None and row.level != "L0":
+                row.ratio_spread = list(_round_ratios(base, t))
             _add(report, row, on_level)
         order = {lv.name: i for i, lv in enumerate(levels)}
         if [r.level for r in report.levels] != sorted(order, key=order.get):

@@ -107,6 +107,11 @@ def test_bench_runs_real_steps_and_relates_to_l0(tmp_path):
     levels = data["levels"]
     assert levels[0]["ratio"] == 1.0 and levels[1]["samples_per_s"] > 0
     assert "samples/s" in result.output
+    # the run's own spread beside the ratios: per-round ratios, their middle half (two
+    # rounds: their two ends, around the ratio of the summed times)
+    lo, hi = levels[1]["ratio_spread"]
+    assert 0 < lo <= levels[1]["ratio"] <= hi and levels[0]["ratio_spread"] is None
+    assert f"vs L0, the middle half of the rounds: L3 {lo:.2f}-{hi:.2f}x" in result.output
     # it ends with what a user came for: the largest batch at L0 and at L3, estimated
     answer = data["answer"]
     assert 0 < answer["L0"] < answer["L3"] and answer["seconds"] > 0

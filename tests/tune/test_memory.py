@@ -118,15 +118,15 @@ def test_bench_times_a_cache_emptying_level_alone_on_a_gpu_and_keeps_the_order(m
     alone, together = [], []
     monkeypatch.setattr(run, "throughput", lambda wl, level, *a, **k: alone.append(level.name)
                         or 100.0)
-    monkeypatch.setattr(run, "throughputs", lambda wl, runs, *a, **k: together.append(
-        [lv.name for lv, _ in runs]) or [50.0] * len(runs))
+    monkeypatch.setattr(run, "timed_rounds", lambda wl, runs, *a, **k: together.append(
+        [lv.name for lv, _ in runs]) or [[0.0625]] * len(runs))  # (batch 4: 64 samples/s)
     settings = run.Settings(Budget(16 << 30, "test"), mode="estimate", device="cuda")
     levels = [LEVELS["L0"], LEVELS["L5"], LEVELS["L3"]]
     report = run.bench(builtin("tinycnn"), levels, settings, batch=4)
     assert alone == ["L3", "L5"]  # the warm-up step (last level), then L5 on its own
     assert together == [["L0", "L3"]]
     assert [r.level for r in report.levels] == ["L0", "L5", "L3"]
-    assert [r.samples_per_s for r in report.levels] == [50.0, 100.0, 50.0]
+    assert [r.samples_per_s for r in report.levels] == [64.0, 100.0, 64.0]
 
 
 class _Wide(torch.nn.Module):
