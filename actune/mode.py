@@ -85,6 +85,9 @@ def _needs_grad(args: tuple, kwargs: dict) -> bool:
 class FunctionMode(TorchFunctionMode):
     """Routes each call that records gradients through its rule (see the module docstring)."""
 
+    #: run a rule's replacement where it has one (:class:`LabelMode`: never)
+    substitutes = True
+
     def __init__(self, session) -> None:
         super().__init__()
         self.s = session
@@ -125,8 +128,8 @@ class FunctionMode(TorchFunctionMode):
         rule = RULES.get(func)
         previous = _label(s, func, rule, args, kwargs)
         try:
-            if (rule is not None and rule.replace is not None and not s.level.exact
-                    and isinstance(args[0], torch.Tensor)):
+            if (self.substitutes and rule is not None and rule.replace is not None
+                    and not s.level.exact and isinstance(args[0], torch.Tensor)):
                 out = rule.replace(s, func, args, kwargs, s.level)
                 if out is not None:
                     return out
@@ -194,26 +197,14 @@ def _label(s, func, rule, args, kwargs) -> tuple:
     return previous
 
 
-class LabelMode(TorchFunctionMode):
-    """Names each op for session ``s`` and runs it as it is, never substituted: for a
+class LabelMode(FunctionMode):
+    """Names each op for the session and runs it as it is, never substituted: for a
     non-reentrant checkpoint's recomputation, whose saved tensors must be the ones PyTorch's
     own ops save (the original forward's graph reads them), packed as each op's rule bits say
-    (:mod:`actune.recompute`)."""
+    (:mod:`actune.recompute`; the session's ``hook`` is the recomputation's pack hook)."""
 
-    def __init__(self, session) -> None:
-        super().__init__()
-        self.s = session
+    substitutes = False
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _QUERIES or not args or not _needs_grad(args, kwargs):
-            return func(*args, **kwargs)
-        s = self.s
-        previous = _label(s, func, RULES.get(func), args, kwargs)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids = previous
 
 #: torch.compile cannot capture the routing (Python state, hooks): inside a compiled region
 #: every call under compressed() runs eagerly, so compression stays correct. Only a call that

@@ -136,6 +136,7 @@ def compress_recomputation(frame, session) -> None:
         def unpack(packed):
             return session.unpack_hook(packed)
 
+        session.hook = pack  # (the hooks LabelMode routes under)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack), LabelMode(session):
                 recompute(*args)

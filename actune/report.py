@@ -215,14 +215,6 @@ def render(report: Report, console: Console) -> None:
                                               for where, levels in places.items()))
     lines += [f"{r.level} {describe_exact(r.kept_exact)}" for r in report.levels
               if sum(r.kept_exact.values()) >= 2**20]  # (under 1 MiB: not worth a line)
-    if report.answer:  # what a user came for, last
-        a = report.answer
-        sizes = ", ".join(f"{lv} {a[lv]:,}" if a[lv] else f"{lv} none" for lv in ("L0", "L3"))
-        times = f" ({a['L3'] / a['L0']:.1f}x)" if a["L0"] and a["L3"] else ""
-        answer_line = (f"largest batch under {human_bytes(report.budget_bytes)}: {sizes}{times}"
-                       f", estimated in {a['seconds']:.1f} s")
-    else:
-        answer_line = None
     if report.mode == "estimate":  # what the figures leave out
         lines.append(ESTIMATE_CAVEAT)
     elif report.device.startswith("CPU"):
@@ -235,7 +227,13 @@ def render(report: Report, console: Console) -> None:
         b = report.best
         lines.insert(0, f"fastest within the budget: {b['level']} at batch {b['batch']:,}, "
                         f"{b['samples_per_s']:,.1f} samples/s")
+    if report.answer:  # what a user came for, last
+        a = report.answer
+        sizes = ", ".join(f"{lv} {a[lv]:,}" if a[lv] else f"{lv} none" for lv in ("L0", "L3"))
+        times = f" ({a['L3'] / a['L0']:.1f}x)" if a["L0"] and a["L3"] else ""
+        lines.append(f"largest batch under {human_bytes(report.budget_bytes)}: {sizes}{times}"
+                     f", estimated in {a['seconds']:.1f} s")
     console.print(escape(title), overflow="fold")
     console.print(table)
-    for line in lines + ([answer_line] if answer_line else []):
+    for line in lines:
         console.print(escape(line), overflow="fold")
