@@ -22,6 +22,7 @@ from actune.fused import FUSED, class_name, fused_of
 from actune.hooks import compressed, shared_cache
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
+from actune.traced import TracedMode
 
 __all__ = ["ConversionRow", "autoprec_of", "compress", "decompress", "is_compressed",
            "summary"]
@@ -60,22 +61,34 @@ _KEPT_EXACT: dict[type[nn.Module], str] = {
 _COUNTERPARTS: dict[type[nn.Module], type[nn.Module]] = {}
 
 
-@torch.compiler.disable(recursive=True)
 def _compressed_forward(self, *args, **kwargs):
-    # torch.compile runs compressed layers eagerly (a graph break at each): the hooks and the
-    # function mode that compress them are Python state dynamo cannot capture.
-    level = getattr(self, _LEVEL_ATTR)
-    with compressed(level):
+    if torch.compiler.is_compiling():  # traced rules: packs inside the compiled graphs
+        with TracedMode(getattr(self, _LEVEL_ATTR)):
+            return super(type(self), self).forward(*args, **kwargs)
+    return _eager_forward(self, *args, **kwargs)
+
+
+def _fused_forward(self, x, *args, **kwargs):
+    if args or kwargs or not isinstance(x, torch.Tensor):
+        return _compressed_forward(self, x, *args, **kwargs)
+    if torch.compiler.is_compiling():
+        with TracedMode(getattr(self, _LEVEL_ATTR)):
+            out = fused_of(_base_class(self))(self, x)
+            return super(type(self), self).forward(x) if out is None else out
+    return _eager_fused_forward(self, x)
+
+
+@torch.compiler.disable(recursive=True)
+def _eager_forward(self, *args, **kwargs):
+    with compressed(getattr(self, _LEVEL_ATTR)):
         return super(type(self), self).forward(*args, **kwargs)
 
 
 @torch.compiler.disable(recursive=True)
-def _fused_forward(self, x, *args, **kwargs):
-    if args or kwargs or not isinstance(x, torch.Tensor):
-        return _compressed_forward(self, x, *args, **kwargs)
+def _eager_fused_forward(self, x):
     with compressed(getattr(self, _LEVEL_ATTR)):
         out = fused_of(_base_class(self))(self, x)
-    return _compressed_forward(self, x) if out is None else out
+    return _eager_forward(self, x) if out is None else out
 
 
 def _counterpart(cls: type[nn.Module]) -> type[nn.Module]:
@@ -125,6 +138,10 @@ def _supported(cls: type[nn.Module]) -> str | None:
 def _enter_forward(module, _args):
     # the whole forward runs under the model's level: the functional calls between layers
     # (attention, inline activations, the loss a model computes itself) follow the same rules
+    if torch.compiler.is_compiling():  # traced rules at uniform widths (no allocator)
+        module._actune_cache = TracedMode(module.__dict__[_ROOT_LEVEL_ATTR])
+        module._actune_cache.__enter__()
+        return
     ap = module.__dict__.get(_AUTOPREC_ATTR) if module.training else None
     stack = contextlib.ExitStack()
     stack.enter_context(shared_cache(ap))
@@ -134,7 +151,9 @@ def _enter_forward(module, _args):
 
 def _exit_forward(module, _args, _output):
     stack = module.__dict__.pop("_actune_cache", None)
-    if stack is not None:
+    if isinstance(stack, TracedMode):
+        stack.__exit__(None, None, None)
+    elif stack is not None:
         stack.close()
 
 

@@ -102,6 +102,8 @@ def _stack() -> list:
 
 
 def _pre_hook(module: nn.Module, args: tuple) -> None:
+    if torch.compiler.is_compiling():
+        return  # (compiled: the module's own chain, under the traced rules)
     when = getattr(_local, "when", None)
     if when is None:
         return  # another thread's compressed() installed the hooks
@@ -117,6 +119,8 @@ def _pre_hook(module: nn.Module, args: tuple) -> None:
 
 
 def _post_hook(module: nn.Module, args: tuple, output):
+    if torch.compiler.is_compiling():
+        return None
     if getattr(_local, "when", None) is None:
         return None
     stack = _stack()
@@ -132,29 +136,24 @@ def _post_hook(module: nn.Module, args: tuple, output):
 
 
 _lock = threading.Lock()
-_installed: list = []  # [count, pre handle, post handle] while any thread has the block open
+_installed: list = []  # [pre handle, post handle] once any thread has needed them
 
 
 @contextlib.contextmanager
 def fused_modules(when: Callable[[], bool]) -> Iterator[None]:
     """While open, listed modules (:data:`FUSED`) called in this thread compute their one op
     in place of their chain, where ``when()`` says so at their call (not in a checkpointed
-    region, whose recomputation must save what its forward saved); global module hooks,
-    installed while any thread needs them."""
+    region, whose recomputation must save what its forward saved). Global module hooks,
+    installed once and then kept (a few attribute reads per module call where no block is
+    open): hooks added and removed around every step would make ``torch.compile`` guard on
+    new ones each time and compile the model again."""
     with _lock:
         if not _installed:
-            _installed.extend([0, nn_module.register_module_forward_pre_hook(_pre_hook),
+            _installed.extend([nn_module.register_module_forward_pre_hook(_pre_hook),
                                nn_module.register_module_forward_hook(_post_hook,
                                                                       always_call=True)])
-        _installed[0] += 1
     outer, _local.when = getattr(_local, "when", None), when
     try:
         yield
     finally:
         _local.when = outer
-        with _lock:
-            _installed[0] -= 1
-            if not _installed[0]:
-                for handle in _installed[1:]:
-                    handle.remove()
-                _installed.clear()

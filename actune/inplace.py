@@ -47,7 +47,7 @@ class _Tracer(fx.Tracer):
 
 
 def _tag(_module: nn.Module, _args, output):
-    if isinstance(output, torch.Tensor):
+    if isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
         allow_overwrite(output)
 
 

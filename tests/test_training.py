@@ -392,20 +392,22 @@ def test_double_backward_raises_a_clear_error():
         torch.autograd.grad(loss, x, create_graph=True)
 
 
-@pytest.mark.parametrize("level", ["u2", "L3"])
-def test_torch_compile_of_a_compressed_model_matches_eager(level):
+def test_torch_compile_of_a_compressed_cnn_is_close_to_exact():
+    """Layers the traced rules do not cover (convolutions, ReLU, pooling) run as PyTorch's ops
+    inside the graph; the linear head's input is packed: at 8 bits close to exact."""
     model = zoo.TinyCNN()
     model.features[-1].p = 0.0  # no dropout: eager and compiled draw no random numbers
-    compress(model, level)
-    twin = copy.deepcopy(model)  # L3: its own allocator, at the same (first) step
+    twin = copy.deepcopy(model)
+    compress(twin, "u8")
     x = torch.randn(8, 1, 8, 8)
     y = torch.randint(0, 10, (8,))
-    torch.manual_seed(1)
     F.cross_entropy(model(x), y).backward()
-    torch.manual_seed(1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     F.cross_entropy(torch.compile(twin)(x), y).backward()
-    assert all(torch.equal(a.grad, b.grad)
-               for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert (a.grad - b.grad).norm() <= 0.05 * a.grad.norm() + 1e-7
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

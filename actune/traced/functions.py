@@ -1,0 +1,200 @@
+"""Autograd functions whose forward packs what their backward reads, in torch ops.
+
+Traced by Dynamo into the compiled forward and backward graphs, so each pack runs right after
+the op that produced its tensor and each unpack right before the op that reads it: the
+partitioner saves the packed bytes. What each keeps mirrors the eager rules
+(:mod:`actune.rules`), at uniform widths (the bit allocator does not run in a graph):
+
+* a layer's input (linear, addmm with a weight): rounded at matmul bits, in groups along the
+  tokens, one feature each; the weight stays a reference;
+* both operands of a product of two activations (``q @ k^T``, ``attn @ v``) at matmul bits;
+* an activation's derivative (GELU, SiLU) at other bits, used linearly;
+* a norm's normalised input at other bits, its ``rstd`` exact;
+* softmax's output as two independently rounded copies (its backward is quadratic in it).
+
+Every backward product is linear in each rounded tensor: the gradients are unbiased, up to a
+norm's term of order (rounding variance) / (elements normalised over), as in eager.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.traced.pack import pack, pack_range, unpack, unpack_range
+
+__all__ = ["DERIVATIVES", "PackedDerivative", "PackedLinear", "PackedNorm", "PackedProduct",
+           "TwoCopySoftmax"]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class PackedLinear(torch.autograd.Function):
+    """``F.linear(x, w, b)`` keeping ``x`` rounded (only if ``w`` needs a gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, bits: int, group_size: int):
+        ctx.meta = (x.shape, x.dtype, bits, group_size)
+        keep = ctx.needs_input_grad[1]
+        ctx.save_for_backward(w, *(pack(x, bits, group_size, True) if keep else ()))
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, *packed = ctx.saved_tensors
+        shape, dtype, bits, group_size = ctx.meta
+        gx = grad @ w.to(grad.dtype) if ctx.needs_input_grad[0] else None
+        gw = gb = None
+        if ctx.needs_input_grad[1]:
+            x = unpack(tuple(packed), bits, shape, dtype, group_size, True)
+            gw = (_rows(grad).t() @ _rows(x).to(grad.dtype)).to(w.dtype)
+        if ctx.needs_input_grad[2]:
+            gb = _rows(grad).sum(0)
+        return gx, gw, gb, None, None
+
+
+class PackedProduct(torch.autograd.Function):
+    """``a @ b`` of two activations of the same batch shape, each kept rounded for the other's
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, a, b, bits: int, group_size: int):
+        ctx.meta = (a.shape, b.shape, a.dtype, b.dtype, bits, group_size)
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.which = (need_b, need_a)  # a is read for b's gradient, b for a's
+        kept = []
+        if need_b:
+            kept += pack(a, bits, group_size)
+        if need_a:
+            kept += pack(b, bits, group_size)
+        ctx.save_for_backward(*kept)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a_shape, b_shape, a_dtype, b_dtype, bits, group_size = ctx.meta
+        kept = list(ctx.saved_tensors)
+        a = b = None
+        if ctx.which[0]:
+            a = unpack(tuple(kept[:3]), bits, a_shape, a_dtype, group_size)
+            kept = kept[3:]
+        if ctx.which[1]:
+            b = unpack(tuple(kept[:3]), bits, b_shape, b_dtype, group_size)
+        ga = grad @ b.transpose(-2, -1) if b is not None else None
+        gb = a.transpose(-2, -1) @ grad if a is not None else None
+        return ga, gb, None, None
+
+
+def _gelu_derivative(approximate: str):
+    if approximate == "tanh":
+        def tanh_form(x):
+            c = math.sqrt(2 / math.pi)
+            inner = c * (x + 0.044715 * x**3)
+            t = torch.tanh(inner)
+            return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+        return tanh_form
+
+    def erf_form(x):
+        return (0.5 * (1 + torch.erf(x * (1 / math.sqrt(2))))
+                + x * torch.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi)))
+    return erf_form
+
+
+def _silu_derivative(x):
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
+#: name -> (function, its derivative of the input, and bounds of that derivative: the grid it
+#: is rounded on, fixed, so that packing is one pass with no statistics)
+DERIVATIVES = {
+    "gelu": (F.gelu, _gelu_derivative("none"), -0.1290, 1.1290),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), _gelu_derivative("tanh"),
+                  -0.1290, 1.1290),
+    "silu": (F.silu, _silu_derivative, -0.0999, 1.0999),
+}
+
+
+class PackedDerivative(torch.autograd.Function):
+    """``f(x)`` for an elementwise ``f`` of :data:`DERIVATIVES`, keeping ``f'(x)`` rounded."""
+
+    @staticmethod
+    def forward(ctx, x, name: str, bits: int, group_size: int):
+        fn, derivative, low, high = DERIVATIVES[name]
+        ctx.meta = (x.shape, bits, low, high)
+        ctx.save_for_backward(pack_range(derivative(x.float()), bits, low, high, group_size))
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, bits, low, high = ctx.meta
+        d = unpack_range(ctx.saved_tensors[0], bits, low, high, shape, grad.dtype)
+        return grad * d, None, None, None
+
+
+class PackedNorm(torch.autograd.Function):
+    """Layer norm (``rms=False``) or RMS norm over the last ``dims`` dims, keeping the
+    normalised input rounded and ``rstd`` exact."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dims: int, eps: float, rms: bool, bits: int,
+                group_size: int):
+        axes = tuple(range(-dims, 0))
+        xf = x.float()
+        if rms:
+            rstd = torch.rsqrt(xf.square().mean(axes, keepdim=True) + eps)
+            xhat = xf * rstd
+        else:
+            mean = xf.mean(axes, keepdim=True)
+            rstd = torch.rsqrt((xf - mean).square().mean(axes, keepdim=True) + eps)
+            xhat = (xf - mean) * rstd
+        y = xhat
+        if weight is not None:
+            y = y * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.meta = (x.shape, x.dtype, dims, rms, bits, group_size, weight is not None)
+        ctx.save_for_backward(rstd, *(() if weight is None else (weight,)),
+                              *pack(xhat, bits, group_size, True))
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, dims, rms, bits, group_size, has_weight = ctx.meta
+        rstd, *rest = ctx.saved_tensors
+        weight = rest.pop(0) if has_weight else None
+        xhat = unpack(tuple(rest), bits, shape, torch.float32, group_size, True)
+        axes = tuple(range(-dims, 0))
+        lead = tuple(range(grad.dim() - dims))
+        g = grad.float()
+        gw_ = g * weight.float() if weight is not None else g
+        inner = (gw_ * xhat).mean(axes, keepdim=True)
+        gx = gw_ - xhat * inner if rms else gw_ - gw_.mean(axes, keepdim=True) - xhat * inner
+        gx = (gx * rstd).to(dtype) if ctx.needs_input_grad[0] else None
+        gweight = (g * xhat).sum(lead).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gbias = g.sum(lead).to(dtype) if ctx.needs_input_grad[2] else None
+        return gx, gweight, gbias, None, None, None, None, None
+
+
+class TwoCopySoftmax(torch.autograd.Function):
+    """Softmax keeping two independently rounded copies of its output: the backward
+    ``y1 * (g - sum(g * y2))`` is then unbiased although it is quadratic in ``y``."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, bits: int, group_size: int):
+        y = torch.softmax(x, dim)
+        ctx.meta = (y.shape, y.dtype, dim, bits, group_size)
+        ctx.save_for_backward(*pack(y, bits, group_size), *pack(y, bits, group_size))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, _dtype, dim, bits, group_size = ctx.meta
+        s = ctx.saved_tensors
+        y1 = unpack(s[:3], bits, shape, grad.dtype, group_size)
+        y2 = unpack(s[3:], bits, shape, grad.dtype, group_size)
+        return y1 * (grad - (grad * y2).sum(dim, keepdim=True)), None, None, None

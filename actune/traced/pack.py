@@ -1,0 +1,118 @@
+"""Per-group stochastic rounding written in torch ops, for compiled graphs.
+
+The quantization of the Numba kernels (:mod:`actune.quant`): ``group_size`` elements share a
+minimum and a step, each element is rounded up with probability equal to its fractional
+position between the two codes around it (unbiased), and ``8 // bits`` codes share a byte. The
+byte layout is this module's own. Written in torch ops so that Dynamo traces it and Inductor
+fuses it into the kernels around it; its random numbers come from the graph's generator.
+Knows nothing of modules.
+
+Groups run along the flattened tensor, or with ``by_feature`` along the tokens of one feature
+of the last dim (a strided view: no transposed copy). :func:`pack_range` rounds a tensor whose
+range is known in advance (an activation's derivative) in one pass, with no statistics.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+__all__ = ["Packed", "pack", "pack_range", "packed_bytes", "unpack", "unpack_range"]
+
+
+class Packed(NamedTuple):
+    """A tensor packed by :func:`pack`: codes (uint8), and per group its minimum and step
+    (float32)."""
+
+    codes: torch.Tensor
+    low: torch.Tensor
+    step: torch.Tensor
+
+
+def _groups(x: torch.Tensor, group_size: int, by_feature: bool) -> torch.Tensor:
+    """``x`` as float32 groups along dim 1: ``(groups, group_size)``, or with ``by_feature``
+    ``(token blocks, group_size, features)``; zero-padded to whole groups."""
+    if by_feature:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        pad = -rows.shape[0] % group_size
+        if pad:
+            rows = F.pad(rows, (0, 0, 0, pad))
+        return rows.reshape(-1, group_size, rows.shape[-1])
+    flat = x.reshape(-1).float()
+    pad = -flat.numel() % group_size
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    return flat.reshape(-1, group_size)
+
+
+def _round(scaled: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of ``scaled`` (in [0, 2**bits - 1]) rounded stochastically, ``8 // bits`` per
+    byte along dim 1."""
+    top = 2**bits - 1
+    q = torch.floor(scaled + torch.rand_like(scaled)).clamp_(0, top).to(torch.uint8)
+    per = 8 // bits
+    if per == 1:
+        return q
+    q = q.reshape(q.shape[0], q.shape[1] // per, per, *q.shape[2:])
+    codes = q[:, :, 0]
+    for i in range(1, per):
+        codes = codes | (q[:, :, i] << (i * bits))
+    return codes
+
+
+def _codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`_round`'s byte packing: one code per element, as float32."""
+    per = 8 // bits
+    if per == 1:
+        return codes.float()
+    top = 2**bits - 1
+    q = torch.stack([(codes >> (i * bits)) & top for i in range(per)], 2)
+    return q.reshape(q.shape[0], q.shape[1] * per, *q.shape[3:]).float()
+
+
+def _restore(values: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+             by_feature: bool) -> torch.Tensor:
+    if by_feature:
+        return values.reshape(-1, shape[-1])[: shape.numel() // shape[-1]].reshape(shape) \
+            .to(dtype)
+    return values.reshape(-1)[: shape.numel()].reshape(shape).to(dtype)
+
+
+def pack(x: torch.Tensor, bits: int, group_size: int = 256, by_feature: bool = False) -> Packed:
+    """Round ``x`` stochastically to ``bits`` (1, 2, 4 or 8) per group; see :func:`unpack`."""
+    g = _groups(x.detach(), group_size, by_feature)
+    low = g.amin(1, keepdim=True)
+    step = (g.amax(1, keepdim=True) - low) / (2**bits - 1)
+    scaled = (g - low) / torch.where(step > 0, step, torch.ones_like(step))
+    return Packed(_round(scaled, bits), low, step)
+
+
+def unpack(p: Packed | tuple, bits: int, shape: torch.Size, dtype: torch.dtype,
+           group_size: int = 256, by_feature: bool = False) -> torch.Tensor:
+    """The values :func:`pack` kept (a :class:`Packed` or its three tensors), as a tensor of
+    ``shape`` and ``dtype`` (``group_size`` and ``by_feature`` as packed)."""
+    codes, low, step = p
+    return _restore(_codes(codes, bits) * step + low, shape, dtype, by_feature)
+
+
+def pack_range(x: torch.Tensor, bits: int, low: float, high: float,
+               group_size: int = 256) -> torch.Tensor:
+    """Codes of ``x``, whose values lie in ``[low, high]``, rounded stochastically on that
+    fixed grid: one pass, no per-group statistics to compute or keep."""
+    g = _groups(x.detach(), group_size, False)
+    return _round((g - low) * ((2**bits - 1) / (high - low)), bits)
+
+
+def unpack_range(codes: torch.Tensor, bits: int, low: float, high: float, shape: torch.Size,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The values :func:`pack_range` kept."""
+    step = (high - low) / (2**bits - 1)
+    return _restore(_codes(codes, bits) * step + low, shape, dtype, False)
+
+
+def packed_bytes(numel: int, bits: int, group_size: int = 256) -> int:
+    """Bytes :func:`pack` keeps for ``numel`` elements: codes plus two floats per group."""
+    groups = -(-numel // group_size)
+    return groups * (group_size * bits // 8 + 8)

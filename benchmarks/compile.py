@@ -1,0 +1,100 @@
+"""Compressed training under torch.compile: eager and compiled, L0 and L3, side by side.
+
+For each model, one step's allocator-level peak (every CPU allocation and free the profiler
+sees, compiled kernels' buffers included, summed in time order: the high-water mark during
+forward and backward) and the median step time of interleaved rounds, with Dynamo's graph
+breaks and graphs under L3. Ratios are within this run:
+
+    python benchmarks/compile.py [--rounds 5] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+import actune
+from actune import zoo
+from actune.memory.heap import allocation_peak
+
+
+def mlp():
+    blocks = [nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512),
+                            nn.LayerNorm(512)) for _ in range(4)]
+    return nn.Sequential(*blocks), torch.randn(2048, 512)
+
+
+def transformer():
+    model = zoo.SmallTransformer(vocab=1000, dim=128, heads=4, layers=2, seq_len=128,
+                                 dropout=0.0)
+    return model, torch.randint(0, 1000, (16, 128))
+
+
+MODELS = {"MLP (4 x 512-2048-512, batch 2048)": mlp,
+          "transformer (2 x 128 wide, 16 x 128 tokens)": transformer}
+
+
+def peak(fn) -> float:
+    return allocation_peak(fn) / 2**20
+
+
+def variant(make, compiled: bool, level: str):
+    torch.manual_seed(0)
+    model, x = make()
+    if level != "L0":
+        actune.compress(model, level)
+    run = torch.compile(model) if compiled else model
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        out = run(x)
+        (out * torch.ones_like(out)).sum().backward()
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for title, make in MODELS.items():
+        steps, breaks = {}, {}
+        for compiled in (False, True):
+            for level in ("L0", "L3"):
+                torch._dynamo.reset()
+                counters.clear()
+                step = variant(make, compiled, level)
+                for _ in range(2):
+                    step()
+                key = ("compiled" if compiled else "eager", level)
+                steps[key] = step
+                breaks[key] = (sum(counters["graph_break"].values()),
+                               counters["stats"].get("unique_graphs", 0))
+        peaks = {k: peak(s) for k, s in steps.items()}
+        times = {k: [] for k in steps}
+        for _ in range(args.rounds):
+            for k, s in steps.items():
+                t = time.perf_counter()
+                s()
+                times[k].append(time.perf_counter() - t)
+        print(f"{title}")
+        for k in steps:
+            print(f"  {k[0]:8s} {k[1]}: peak {peaks[k]:7.1f} MiB, "
+                  f"{statistics.median(times[k]) * 1e3:7.1f} ms/step, graph breaks "
+                  f"{breaks[k][0]}, graphs {breaks[k][1]}")
+        c3, c0, e3 = ("compiled", "L3"), ("compiled", "L0"), ("eager", "L3")
+        speed = statistics.median(times[c0]) / statistics.median(times[c3])
+        print(f"  compiled L3 peak / eager L3 {peaks[c3] / peaks[e3]:.2f}x, / compiled L0 "
+              f"{peaks[c3] / peaks[c0]:.2f}x; compiled L3 speed / compiled L0 {speed:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

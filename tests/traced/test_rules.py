@@ -1,0 +1,144 @@
+"""The traced rules (what runs inside torch.compile graphs), run eagerly: gradients per family
+close to exact at 8 bits and unbiased at 2, and the packing itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.levels import Level
+from actune.traced import TracedMode, pack, unpack
+from actune.traced.pack import pack_range, unpack_range
+
+
+def _level(bits: int) -> Level:
+    return Level(f"t{bits}", matmul_bits=bits, other_bits=bits, masks=True, min_numel=1)
+
+
+def _activations(inputs):
+    """The inputs with the activations (2+ dims, not a weight) through ``* 1``: what the
+    rules see in a model (weights stay leaves)."""
+    return [t * 1 if t.dim() >= 2 and not getattr(t, "weight", False) else t for t in inputs]
+
+
+def _grads(fn, inputs, level, draws, seed=0):
+    """Gradients of ``sum(fn(*inputs) * g)`` under the traced rules, ``draws`` times."""
+    with torch.no_grad():
+        g = torch.randn(fn(*inputs).shape, generator=torch.Generator().manual_seed(5))
+    out = []
+    for s in range(draws):
+        torch.manual_seed(seed + s)
+        with TracedMode(level):
+            y = fn(*_activations(inputs))
+        out.append(torch.autograd.grad(y, inputs, g))
+    return [torch.stack([d[i] for d in out]) for i in range(len(inputs))]
+
+
+def _exact(fn, inputs):
+    with torch.no_grad():
+        g = torch.randn(fn(*inputs).shape, generator=torch.Generator().manual_seed(5))
+    return torch.autograd.grad(fn(*inputs), inputs, g)
+
+
+def _case(name):
+    gen = torch.Generator().manual_seed(1)
+
+    def r(*shape, weight=False):
+        t = torch.randn(*shape, generator=gen).requires_grad_()
+        t.weight = weight
+        return t
+    if name == "linear":
+        return (lambda x, w, b: F.linear(x, w, b)), (r(4, 64, 32), r(48, 32, weight=True),
+                                                     r(48))
+    if name == "addmm":
+        return (lambda b, x, w: torch.addmm(b, x, w)), (r(48), r(256, 32),
+                                                        r(32, 48, weight=True))
+    if name == "product":
+        return (lambda a, b: a @ b), (r(2, 4, 64, 32), r(2, 4, 32, 64))
+    if name == "gelu":
+        return (lambda x: F.gelu(x)), (r(8, 512),)
+    if name == "gelu_tanh":
+        return (lambda x: F.gelu(x, approximate="tanh")), (r(8, 512),)
+    if name == "silu":
+        return (lambda x: F.silu(x)), (r(8, 512),)
+    if name == "layer_norm":
+        return (lambda x, w, b: F.layer_norm(x, (64,), w, b)), (r(4, 64, 64), r(64), r(64))
+    if name == "rms_norm":
+        return (lambda x, w: F.rms_norm(x, (64,), w, 1e-6)), (r(4, 64, 64), r(64))
+    if name == "softmax":
+        return (lambda x: torch.softmax(x, -1)), (r(4, 64, 64),)
+    raise KeyError(name)
+
+
+CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "layer_norm", "rms_norm",
+         "softmax")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_eight_bits_close_to_exact(name):
+    fn, inputs = _case(name)
+    exact = _exact(fn, inputs)
+    got = _grads(fn, inputs, _level(8), draws=1)
+    for e, s in zip(exact, got, strict=True):
+        assert (s[0] - e).norm() <= 0.03 * e.norm() + 1e-6
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_two_bits_unbiased(name):
+    """The mean of K draws approaches the exact gradient like 1/sqrt(K): its error at 64
+    draws is well below that at 4 (a biased rule stalls at its bias)."""
+    fn, inputs = _case(name)
+    exact = _exact(fn, inputs)
+    draws = _grads(fn, inputs, _level(2), draws=64)
+    for e, d in zip(exact, draws, strict=True):
+        few = (d[:4].mean(0) - e).norm()
+        many = (d.mean(0) - e).norm()
+        if few <= 1e-5 * e.norm():  # a gradient that reads no rounded tensor: exact
+            assert many <= 1e-4 * e.norm()
+            continue
+        assert many < 0.5 * few, (name, float(few), float(many))
+
+
+def test_the_rules_run_where_they_apply():
+    """Each case runs through its autograd function (not PyTorch's op)."""
+    for name in CASES:
+        fn, inputs = _case(name)
+        with TracedMode(_level(2)):
+            y = fn(*_activations(inputs))
+        assert "Packed" in type(y.grad_fn).__name__ or "TwoCopy" in type(y.grad_fn).__name__, \
+            (name, type(y.grad_fn).__name__)
+
+
+def test_leaves_and_small_tensors_keep_the_op():
+    x = torch.randn(4, 8, requires_grad=True)
+    with TracedMode(Level("t2", matmul_bits=2, other_bits=2, min_numel=1024)):
+        assert type(F.gelu(x * 1).grad_fn).__name__ == "GeluBackward0"  # too small
+    with TracedMode(_level(2)):
+        assert type(F.gelu(x).grad_fn).__name__ == "GeluBackward0"  # a leaf
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("by_feature", [False, True])
+def test_pack_round_trip_within_a_step_and_unbiased(bits, by_feature):
+    x = torch.randn(300, 40, generator=torch.Generator().manual_seed(0)) * 3
+    torch.manual_seed(0)
+    p = pack(x, bits, 64, by_feature)
+    assert p.codes.dtype == torch.uint8 and p.codes.numel() * 8 == p.low.numel() * 64 * bits
+    y = unpack(p, bits, x.shape, x.dtype, 64, by_feature)
+    assert y.shape == x.shape
+    assert (y - x).abs().max() <= p.step.max() * 1.0001
+    mean = torch.stack([unpack(pack(x, bits, 64, by_feature), bits, x.shape, x.dtype, 64,
+                               by_feature) for _ in range(64)]).mean(0)
+    assert (mean - x).abs().mean() < 0.25 * (y - x).abs().mean() + 1e-6
+
+
+def test_pack_range_on_a_fixed_grid():
+    x = torch.rand(1000, generator=torch.Generator().manual_seed(0)) * 1.2 - 0.1
+    codes = pack_range(x, 2, -0.1, 1.1)
+    assert codes.numel() == 256  # 1,024 padded elements, four a byte
+    y = unpack_range(codes, 2, -0.1, 1.1, x.shape, x.dtype)
+    assert (y - x).abs().max() <= 0.4 + 1e-6
+    mean = torch.stack([unpack_range(pack_range(x, 2, -0.1, 1.1), 2, -0.1, 1.1, x.shape,
+                                     x.dtype) for _ in range(256)]).mean(0)
+    assert (mean - x).abs().mean() < 0.02
