@@ -22,7 +22,7 @@ from actune.fused import FUSED, class_name, fused_of
 from actune.hooks import compressed, shared_cache
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
-from actune.traced import TracedMode
+from actune.traced import TracedMode, traced
 
 __all__ = ["ConversionRow", "autoprec_of", "compress", "decompress", "is_compressed",
            "summary"]
@@ -62,7 +62,7 @@ _COUNTERPARTS: dict[type[nn.Module], type[nn.Module]] = {}
 
 
 def _compressed_forward(self, *args, **kwargs):
-    if torch.compiler.is_compiling():  # traced rules: packs inside the compiled graphs
+    if traced():  # traced rules: packs inside the compiled graphs
         with TracedMode(getattr(self, _LEVEL_ATTR)):
             return super(type(self), self).forward(*args, **kwargs)
     return _eager_forward(self, *args, **kwargs)
@@ -71,7 +71,7 @@ def _compressed_forward(self, *args, **kwargs):
 def _fused_forward(self, x, *args, **kwargs):
     if args or kwargs or not isinstance(x, torch.Tensor):
         return _compressed_forward(self, x, *args, **kwargs)
-    if torch.compiler.is_compiling():
+    if traced():
         with TracedMode(getattr(self, _LEVEL_ATTR)):
             out = fused_of(_base_class(self))(self, x)
             return super(type(self), self).forward(x) if out is None else out
@@ -138,7 +138,7 @@ def _supported(cls: type[nn.Module]) -> str | None:
 def _enter_forward(module, _args):
     # the whole forward runs under the model's level: the functional calls between layers
     # (attention, inline activations, the loss a model computes itself) follow the same rules
-    if torch.compiler.is_compiling():  # traced rules at uniform widths (no allocator)
+    if traced():  # traced rules at uniform widths (no allocator)
         module._actune_cache = TracedMode(module.__dict__[_ROOT_LEVEL_ATTR])
         module._actune_cache.__enter__()
         return

@@ -26,7 +26,7 @@ from actune.quant import compiling as _compiling
 from actune.rules import RULES, funcs_of
 from actune.rules.matmuls import CONVS, PLAIN_CONVS
 from actune.substitutes import arg, as_tuple
-from actune.traced import dispatch
+from actune.traced import dispatch, traced
 
 __all__ = ["FunctionMode"]
 
@@ -97,7 +97,7 @@ class FunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _QUERIES or not args or not _needs_grad(args, kwargs):
             return func(*args, **kwargs)  # (a batch norm asks its input's dim() each call)
-        if torch.compiler.is_compiling():  # Dynamo traces this: the traced rules
+        if traced():  # Dynamo traces this: the traced rules
             return dispatch(self.s.level, func, args, kwargs) if self.substitutes \
                 else func(*args, **kwargs)
         if _compiling():  # (see _eagerly below)

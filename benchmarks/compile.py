@@ -36,8 +36,37 @@ def transformer():
     return model, torch.randint(0, 1000, (16, 128))
 
 
+def resnet18():
+    model = zoo.resnet(18, num_classes=10)
+    return model, torch.randn(64, 3, 32, 32)
+
+
+def hugging_face(kind: str):
+    def make():
+        from hf_models import small  # the small configs of benchmarks/hf_models.py
+        model = small(kind, "sdpa")
+        model.config.use_cache = False
+        ids = torch.randint(0, 8000, (4, 128), generator=torch.Generator().manual_seed(0))
+        return _LanguageModel(model), ids
+    return make
+
+
+class _LanguageModel(nn.Module):
+    """A causal LM whose call on token ids returns its loss (on the ids as labels)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids).loss
+
+
 MODELS = {"MLP (4 x 512-2048-512, batch 2048)": mlp,
-          "transformer (2 x 128 wide, 16 x 128 tokens)": transformer}
+          "transformer (2 x 128 wide, 16 x 128 tokens)": transformer,
+          "ResNet-18 (32 x 32, batch 64)": resnet18,
+          "Hugging Face GPT-2 (4 x 256 wide, 4 x 128 tokens, SDPA)": hugging_face("gpt2"),
+          "Hugging Face Llama (4 x 256 wide, 4 x 128 tokens, SDPA)": hugging_face("llama")}
 
 
 def peak(fn) -> float:
@@ -62,10 +91,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--models", default=None,
+                        help="comma-separated words picking models by title (default: all)")
     args = parser.parse_args()
+    chosen = {t: m for t, m in MODELS.items() if args.models is None
+              or any(w.lower() in t.lower() for w in args.models.split(","))}
     if args.threads:
         torch.set_num_threads(args.threads)
-    for title, make in MODELS.items():
+    for title, make in chosen.items():
         steps, breaks = {}, {}
         for compiled in (False, True):
             for level in ("L0", "L3"):

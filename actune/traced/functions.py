@@ -25,8 +25,8 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune.traced.pack import pack, pack_range, unpack, unpack_range
 
-__all__ = ["DERIVATIVES", "PackedDerivative", "PackedLinear", "PackedNorm", "PackedProduct",
-           "TwoCopySoftmax"]
+__all__ = ["DERIVATIVES", "GatedProduct", "PackedDerivative", "PackedLinear", "PackedNorm",
+           "PackedProduct", "TwoCopySoftmax"]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -87,6 +87,25 @@ class PackedProduct(torch.autograd.Function):
         ga = grad @ b.transpose(-2, -1) if b is not None else None
         gb = a.transpose(-2, -1) @ grad if a is not None else None
         return ga, gb, None, None
+
+
+class GatedProduct(torch.autograd.Function):
+    """``a * b`` of two activations of one shape (SwiGLU's ``act(gate) * up``), each kept
+    rounded (independently) for the other's gradient."""
+
+    @staticmethod
+    def forward(ctx, a, b, bits: int, group_size: int):
+        ctx.meta = (a.shape, a.dtype, b.dtype, bits, group_size)
+        ctx.save_for_backward(*pack(a, bits, group_size, True), *pack(b, bits, group_size, True))
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, a_dtype, b_dtype, bits, group_size = ctx.meta
+        s = ctx.saved_tensors
+        a = unpack(s[:3], bits, shape, grad.dtype, group_size, True)
+        b = unpack(s[3:], bits, shape, grad.dtype, group_size, True)
+        return (grad * b).to(a_dtype), (grad * a).to(b_dtype), None, None
 
 
 def _gelu_derivative(approximate: str):

@@ -15,7 +15,10 @@ import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
 from actune.levels import Level
+from actune.traced.attention import PackedAttention, PackedCrossEntropy
+from actune.traced.convolutions import MaskedReLU, PackedBatchNorm, PackedConv
 from actune.traced.functions import (
+    GatedProduct,
     PackedDerivative,
     PackedLinear,
     PackedNorm,
@@ -131,6 +134,102 @@ def _softmax(level, args, kwargs):
             or _arg(args, kwargs, 3 if len(args) > 3 else 2, "dtype") is not None):
         return None
     return TwoCopySoftmax.apply(x, dim, level.other_bits, level.group_size)
+
+
+@_register(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+def _mul(level, args, kwargs):
+    """Two activations of one shape; a product with a broadcast operand (rotary tables, a
+    mask) saves only that small operand and runs as it is."""
+    a, b = args[0], _arg(args, kwargs, 1, "other")
+    if (level.sensitive_width is None or len(args) + len(kwargs) != 2
+            or not (_activation(a, level) and _activation(b, level))
+            or a.shape != b.shape or a.dtype != b.dtype or not (a.requires_grad
+                                                                and b.requires_grad)):
+        return None
+    return GatedProduct.apply(a, b, level.sensitive_width, level.group_size)
+
+
+@_register(F.scaled_dot_product_attention)
+def _attention(level, args, kwargs):
+    q, k, v = args[:3]
+    mask = _arg(args, kwargs, 3, "attn_mask")
+    dropout = _arg(args, kwargs, 4, "dropout_p", 0.0)
+    causal = bool(_arg(args, kwargs, 5, "is_causal", False))
+    scale = _arg(args, kwargs, 6, "scale")
+    if (level.nonlinear_bits is None or level.sensitive_width is None or dropout
+            or not all(_activation(t, level) for t in (q, k, v))
+            or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.requires_grad))
+            or q.dim() != 4 or q.shape[-3] % k.shape[-3]):
+        return None
+    return PackedAttention.apply(q, k, v, mask, causal, scale, level.nonlinear_bits,
+                                 level.sensitive_width, level.group_size)
+
+
+@_register(F.cross_entropy)
+def _cross_entropy(level, args, kwargs):
+    x, target = args[0], _arg(args, kwargs, 1, "target")
+    extra = {n: kwargs.get(n) for n in ("weight", "size_average", "reduce")}
+    reduction = _arg(args, kwargs, 6, "reduction", "mean")
+    if (len(args) > 2 or any(v is not None for v in extra.values())
+            or _arg(args, kwargs, 7, "label_smoothing", 0.0) or level.sensitive_width is None
+            or not _activation(x, level) or x.dim() != 2 or not isinstance(target, torch.Tensor)
+            or target.dim() != 1 or target.is_floating_point()
+            or reduction not in ("mean", "sum")):
+        return None
+    return PackedCrossEntropy.apply(x, target, int(kwargs.get("ignore_index", -100)), reduction,
+                                    level.sensitive_width, level.group_size)
+
+
+def _conv(dims: int) -> Handler:
+    def handler(level, args, kwargs):
+        x, w = args[0], _arg(args, kwargs, 1, "weight")
+        b = _arg(args, kwargs, 2, "bias")
+        conf = [_arg(args, kwargs, 3 + i, name, default) for i, (name, default) in
+                enumerate((("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1)))]
+        if (level.matmul_bits is None or not _activation(x, level) or isinstance(conf[1], str)
+                or not isinstance(w, torch.Tensor)):
+            return None
+        stride, padding, dilation = (
+            [int(v)] * dims if isinstance(v, int) else [int(e) for e in v] for v in conf[:3])
+        return PackedConv.apply(x, w, b, stride, padding, dilation, int(conf[3]),
+                                level.matmul_bits, level.group_size)
+    return handler
+
+
+_register(F.conv1d)(_conv(1))
+_register(F.conv2d)(_conv(2))
+_register(F.conv3d)(_conv(3))
+
+
+@_register(F.relu, torch.relu, torch.Tensor.relu)
+def _relu(level, args, kwargs):
+    x = args[0]
+    if (not level.masks or not _activation(x, level) or len(args) > 1
+            or _arg(args, kwargs, 1, "inplace", False)):
+        return None
+    return MaskedReLU.apply(x)
+
+
+@_register(F.batch_norm)
+def _batch_norm(level, args, kwargs):
+    x = args[0]
+    mean, var = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
+    weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
+    training = _arg(args, kwargs, 5, "training", False)
+    momentum = _arg(args, kwargs, 6, "momentum", 0.1)
+    eps = _arg(args, kwargs, 7, "eps", 1e-5)
+    if (level.other_bits is None or not training or not _activation(x, level) or x.dim() < 2
+            or momentum is None):
+        return None
+    y, batch_mean, batch_var = PackedBatchNorm.apply(x, weight, bias, float(eps),
+                                                     level.other_bits, level.group_size)
+    if mean is not None and var is not None:  # the running statistics, as PyTorch's
+        n = x.numel() // x.shape[1]
+        with torch.no_grad():
+            mean.mul_(1 - momentum).add_(batch_mean.to(mean.dtype), alpha=momentum)
+            var.mul_(1 - momentum).add_((batch_var * (n / max(n - 1, 1))).to(var.dtype),
+                                        alpha=momentum)
+    return y
 
 
 def dispatch(level: Level, func: Callable, args: tuple, kwargs: dict):

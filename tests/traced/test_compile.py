@@ -99,3 +99,16 @@ def test_eight_bits_compiled_close_to_exact():
     _, _, grads = _run("transformer", "compress", "u8", steps=3)
     for g, e in zip(grads, exact, strict=True):
         assert (g - e).norm() <= 0.05 * e.norm() + 1e-6
+
+
+def test_a_torch_too_old_warns_once_and_runs_eagerly(monkeypatch):
+    import actune.traced
+    monkeypatch.setattr(actune.traced, "TRACEABLE", False)
+    monkeypatch.setattr(actune.traced, "_warned", [])
+    _, exact = _compiled_l0("mlp")
+    with pytest.warns(UserWarning, match="cannot trace compressed layers") as caught:
+        _, _, grads = _run("mlp", "compress", "u8", steps=2)
+    assert sum("cannot trace" in str(w.message) for w in caught) == 1
+    assert sum(counters["graph_break"].values()) > 0  # the layers ran eagerly
+    for g, e in zip(grads, exact, strict=True):
+        assert (g - e).norm() <= 0.05 * e.norm() + 1e-6

@@ -13,7 +13,9 @@ from actune.traced.pack import pack_range, unpack_range
 
 
 def _level(bits: int) -> Level:
-    return Level(f"t{bits}", matmul_bits=bits, other_bits=bits, masks=True, min_numel=1)
+    """Every width at ``bits`` but attention's q and k (read nonlinearly) at 8."""
+    return Level(f"t{bits}", matmul_bits=bits, other_bits=bits, nonlinear_bits=8, masks=True,
+                 min_numel=1)
 
 
 def _activations(inputs):
@@ -68,11 +70,34 @@ def _case(name):
         return (lambda x, w: F.rms_norm(x, (64,), w, 1e-6)), (r(4, 64, 64), r(64))
     if name == "softmax":
         return (lambda x: torch.softmax(x, -1)), (r(4, 64, 64),)
+    if name == "mul":
+        return (lambda a, b: a * b), (r(8, 64, 32), r(8, 64, 32))
+    if name == "sdpa_causal_gqa":
+        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=True)), \
+            (r(2, 4, 32, 16), r(2, 2, 32, 16), r(2, 2, 32, 16))
+    if name == "sdpa_mask":
+        mask = torch.randn(1, 1, 32, 32, generator=gen)
+        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)), \
+            (r(2, 4, 32, 16), r(2, 4, 32, 16), r(2, 4, 32, 16))
+    if name == "cross_entropy":
+        target = torch.randint(0, 40, (256,), generator=gen)
+        target[:7] = -100
+        return (lambda x: F.cross_entropy(x, target)), (r(256, 40),)
+    if name == "conv":
+        return (lambda x, w, b: F.conv2d(x, w, b, 1, 1)), \
+            (r(4, 3, 16, 16), r(8, 3, 3, 3, weight=True), r(8))
+    if name == "relu":
+        return (lambda x: F.relu(x)), (r(8, 300),)
+    if name == "batch_norm":
+        return (lambda x, w, b: F.batch_norm(x, None, None, w, b, True)), \
+            (r(8, 4, 8, 8), r(4), r(4))
     raise KeyError(name)
 
 
 CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "layer_norm", "rms_norm",
-         "softmax")
+         "softmax", "mul", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv", "relu",
+         "batch_norm")
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -106,7 +131,7 @@ def test_the_rules_run_where_they_apply():
         fn, inputs = _case(name)
         with TracedMode(_level(2)):
             y = fn(*_activations(inputs))
-        assert "Packed" in type(y.grad_fn).__name__ or "TwoCopy" in type(y.grad_fn).__name__, \
+        assert type(y.grad_fn).__name__.startswith(("Packed", "TwoCopy", "Gated", "Masked")), \
             (name, type(y.grad_fn).__name__)
 
 
@@ -142,3 +167,24 @@ def test_pack_range_on_a_fixed_grid():
     mean = torch.stack([unpack_range(pack_range(x, 2, -0.1, 1.1), 2, -0.1, 1.1, x.shape,
                                      x.dtype) for _ in range(256)]).mean(0)
     assert (mean - x).abs().mean() < 0.02
+
+
+def test_batch_norm_updates_running_statistics_as_pytorch():
+    x = torch.randn(8, 4, 8, 8, generator=torch.Generator().manual_seed(3)) * 2 + 1
+    ours, theirs = [(torch.zeros(4), torch.ones(4)) for _ in range(2)]
+    w = torch.ones(4, requires_grad=True)
+    with TracedMode(_level(2)):
+        y = F.batch_norm(x * w.view(1, -1, 1, 1), *ours, w, None, True, 0.1)
+    ref = F.batch_norm(x * w.view(1, -1, 1, 1), *theirs, w, None, True, 0.1)
+    assert type(y.grad_fn).__name__.startswith("PackedBatchNorm")
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_bits_round_trip():
+    from actune.traced.convolutions import pack_bits, unpack_bits
+    m = torch.rand(3, 77, generator=torch.Generator().manual_seed(0)) > 0.5
+    p = pack_bits(m)
+    assert p.dtype == torch.uint8 and p.numel() == -(-m.numel() // 8)
+    assert torch.equal(unpack_bits(p, m.shape), m)

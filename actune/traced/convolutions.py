@@ -1,0 +1,119 @@
+"""Traced convolutions, ReLU and batch norm: what a ResNet saves, in compiled graphs.
+
+A convolution keeps its input rounded at matmul bits (its weight gradient reads it linearly)
+and the weight as a reference; ReLU keeps a 1-bit mask of where its output is positive (its
+exact gradient); a training-mode batch norm keeps its input rounded at other bits and its
+per-channel mean and ``rstd`` exact (the eager rules' choices, :mod:`actune.rules`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.traced.pack import pack, unpack
+
+__all__ = ["MaskedReLU", "PackedBatchNorm", "PackedConv", "pack_bits", "unpack_bits"]
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor as one bit per element (uint8, eight a byte; zero-padded)."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    q = flat.reshape(-1, 8)
+    out = q[:, 0]
+    for i in range(1, 8):
+        out = out | (q[:, i] << i)
+    return out
+
+
+def unpack_bits(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The boolean tensor :func:`pack_bits` kept."""
+    q = torch.stack([(bits >> i) & 1 for i in range(8)], 1).reshape(-1)
+    return q[: shape.numel()].reshape(shape).bool()
+
+
+class PackedConv(torch.autograd.Function):
+    """A convolution keeping its input rounded (only if the weight needs a gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, stride, padding, dilation, groups, bits: int, group_size: int):
+        ctx.conf = (stride, padding, dilation, groups, None if b is None else [b.shape[0]])
+        ctx.meta = (x.shape, x.dtype, bits, group_size)
+        keep = ctx.needs_input_grad[1]
+        ctx.save_for_backward(w, *(pack(x, bits, group_size) if keep else ()))
+        return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False,
+                                          [0] * len(stride), groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, *packed = ctx.saved_tensors
+        shape, dtype, bits, group_size = ctx.meta
+        stride, padding, dilation, groups, bias_sizes = ctx.conf
+        need = ctx.needs_input_grad
+        x = unpack(tuple(packed), bits, shape, dtype, group_size) if need[1] else \
+            torch.empty(shape, dtype=dtype, device=grad.device)
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad, x, w, bias_sizes, stride, padding, dilation, False, [0] * len(stride), groups,
+            [need[0], need[1], need[2]])
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+class MaskedReLU(torch.autograd.Function):
+    """ReLU keeping one bit per element: where its output is positive."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.relu(x)
+        ctx.shape = x.shape
+        ctx.save_for_backward(pack_bits(y > 0))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * unpack_bits(ctx.saved_tensors[0], ctx.shape).to(grad.dtype)
+
+
+class PackedBatchNorm(torch.autograd.Function):
+    """Training-mode batch norm over dims 0, 2, 3...: returns the output and the batch's mean
+    and biased variance (for the running statistics, updated by the caller)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, bits: int, group_size: int):
+        dims = (0, *range(2, x.dim()))
+        view = (1, -1, *([1] * (x.dim() - 2)))
+        xf = x.float()
+        var, mean = torch.var_mean(xf, dims, correction=0)
+        rstd = torch.rsqrt(var + eps)
+        y = (xf - mean.reshape(view)) * rstd.reshape(view)
+        if weight is not None:
+            y = y * weight.float().reshape(view)
+        if bias is not None:
+            y = y + bias.float().reshape(view)
+        ctx.meta = (x.shape, x.dtype, bits, group_size, weight is not None)
+        ctx.save_for_backward(mean, rstd, *(() if weight is None else (weight,)),
+                              *pack(x, bits, group_size))
+        ctx.mark_non_differentiable(mean, var)
+        return y.to(x.dtype), mean, var
+
+    @staticmethod
+    def backward(ctx, grad, _gmean, _gvar):
+        shape, dtype, bits, group_size, has_weight = ctx.meta
+        mean, rstd, *rest = ctx.saved_tensors
+        weight = rest.pop(0) if has_weight else None
+        dims = (0, *range(2, len(shape)))
+        view = (1, -1, *([1] * (len(shape) - 2)))
+        xhat = (unpack(tuple(rest), bits, shape, torch.float32, group_size)
+                - mean.reshape(view)) * rstd.reshape(view)
+        g = grad.float()
+        gsum = g.sum(dims)
+        gdot = (g * xhat).sum(dims)
+        count = g.numel() // g.shape[1]
+        scale = rstd if weight is None else rstd * weight.float()
+        gx = (g - (gsum / count).reshape(view) - xhat * (gdot / count).reshape(view)) \
+            * scale.reshape(view)
+        gw = gdot.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        gb = gsum.to(dtype) if ctx.needs_input_grad[2] else None
+        return gx.to(dtype), gw, gb, None, None, None
