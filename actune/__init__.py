@@ -1,7 +1,15 @@
 """actune: activation-compressed training for PyTorch, and an auto-tuner around it."""
 
 from actune.autoprec import AutoPrecision, allocate
-from actune.convert import autoprec_of, compress, decompress, is_compressed, summary
+from actune.convert import (
+    autoprec_of,
+    compress,
+    decompress,
+    is_compressed,
+    stats_of,
+    summary,
+    track_stats,
+)
 from actune.hooks import CompressionStats, compressed
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import LEVELS, Level, get_level, parse_levels
@@ -35,6 +43,8 @@ __all__ = [
     "parse_levels",
     "quantize",
     "quantize_many",
+    "stats_of",
     "summary",
+    "track_stats",
     "unpack_mask",
 ]

@@ -70,6 +70,13 @@ ModelFile = Annotated[Path | None, typer.Argument(
     show_default=False)]
 ModelName = Annotated[str, typer.Option("--model", "-m", help="A built-in model, used when no "
                                         "model file is given.")]
+HfSpec = Annotated[str | None, typer.Option(
+    "--hf", help="A Hugging Face model from its config alone: a directory holding config.json, "
+    "a config.json, or a hub ID (random weights; nothing else downloaded).",
+    show_default=False)]
+HfClass = Annotated[str | None, typer.Option(
+    "--hf-class", help="With --hf: the model class (default: the config's architectures).",
+    show_default=False)]
 Levels = Annotated[str, typer.Option(help="Levels: L0-L5, L0,L3 or L3; with the alternatives "
                                      "ckpt, offload and L3+ckpt (docs/tuning.md).")]
 BudgetOpt = Annotated[str | None, typer.Option(
@@ -162,10 +169,20 @@ def _errors(debug: bool):
         raise typer.Exit(2) from None
 
 
-def _workload(model_file: Path | None, model: str):
-    """The model file's workload, or the built-in model's."""
+def _workload(model_file: Path | None, model: str, hf: str | None = None,
+              hf_class: str | None = None):
+    """The model file's workload, the Hugging Face config's (``--hf``), or the built-in
+    model's."""
     from actune.tune import workload as wl
 
+    if hf is not None:
+        if model_file is not None:
+            raise _UsageError("give a model file or --hf, not both")
+        from actune.tune.hf_workload import hf_workload
+
+        return hf_workload(hf, hf_class)
+    if hf_class is not None:
+        raise _UsageError("--hf-class names the class of an --hf model: give --hf too")
     return wl.load(model_file) if model_file is not None else wl.builtin(model)
 
 
@@ -181,14 +198,14 @@ def _data(work, resolution: int | None):
 
 def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
            mode: str | None, world_size: int = 1, shard: str = "fsdp",
-           jobs: int | None = None):
+           jobs: int | None = None, hf: str | None = None, hf_class: str | None = None):
     import torch
 
     from actune.memory import parse_budget, probe
     from actune.tune.alternatives import parse_configs
     from actune.tune.run import Settings
 
-    workload = _workload(model_file, model)
+    workload = _workload(model_file, model, hf, hf_class)
     level_list = parse_configs(levels)
     info = probe()
     cuda = info.available and torch.cuda.is_available()
@@ -299,6 +316,8 @@ def _run_job(job, level_list, quiet: bool, json_path: Path | None, **kwargs):
 def maxbatch(
     model_file: ModelFile = None,
     model: ModelName = "resnet50",
+    hf: HfSpec = None,
+    hf_class: HfClass = None,
     levels: Levels = "L0-L5",
     budget: BudgetOpt = None,
     mode: ModeOpt = None,
@@ -321,7 +340,7 @@ def maxbatch(
         if plot is not None:
             _require_matplotlib()
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
-                                                world_size, shard, jobs)
+                                                world_size, shard, jobs, hf, hf_class)
         sizes = {"resolution": resolution} if resolution else {}
         t0 = time.perf_counter()
         report = _run_job(run.maxbatch, level_list, quiet, json_path, workload=workload,
@@ -338,6 +357,8 @@ def scale(
     model_file: ModelFile = None,
     dim: Annotated[str, typer.Option(help="depth, width or resolution.")] = "depth",
     model: ModelName = "resnet152",
+    hf: HfSpec = None,
+    hf_class: HfClass = None,
     batch: Annotated[int, typer.Option(min=1, help="The batch size to hold fixed.")] = 64,
     levels: Levels = "L0-L5",
     budget: BudgetOpt = None,
@@ -360,7 +381,7 @@ def scale(
 
     with _errors(debug):
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
-                                                world_size, shard, jobs)
+                                                world_size, shard, jobs, hf, hf_class)
         workload.require(dim)
         _run_job(run.scale, level_list, quiet, json_path, workload=workload,
                  settings=settings, dim=dim, batch=batch,
@@ -371,6 +392,8 @@ def scale(
 def bench(
     model_file: ModelFile = None,
     model: ModelName = "resnet18",
+    hf: HfSpec = None,
+    hf_class: HfClass = None,
     levels: Levels = "L0-L5",
     batch: Annotated[int, typer.Option(min=1, help="Batch size for every level.")] = 64,
     at_max: Annotated[bool, typer.Option("--at-max", help="Run each level at its own largest "
@@ -391,8 +414,9 @@ def bench(
     with _errors(debug):
         if plot is not None:
             _require_matplotlib()
-        workload, level_list, settings = _setup(model_file, model, levels, budget, mode)
-        if resolution is None and model_file is None:
+        workload, level_list, settings = _setup(model_file, model, levels, budget, mode, hf=hf,
+                                                hf_class=hf_class)
+        if resolution is None and model_file is None and hf is None:
             resolution = BENCH_BUILTIN_RESOLUTION
         sizes = {"resolution": resolution} if resolution and "resolution" in workload.dims \
             else {}
@@ -426,6 +450,8 @@ def _require_matplotlib() -> None:
 def train(
     model_file: ModelFile = None,
     model: ModelName = "tinycnn",
+    hf: HfSpec = None,
+    hf_class: HfClass = None,
     levels: Annotated[str, typer.Option(help="Levels: L0,L3 or L0-L3; a number of bits such "
                                         "as 2b or 1.25b is mixed precision.")] = "L0,L3",
     epochs: Annotated[int, typer.Option(min=1, help="Epochs per level.")] = 10,
@@ -455,7 +481,7 @@ def train(
         if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
             raise _UsageError(f"--device {device}: use cpu" + (
                 " or cuda" if torch.cuda.is_available() else " (torch sees no CUDA device)"))
-        work = _workload(model_file, model)
+        work = _workload(model_file, model, hf, hf_class)
         level_list = parse_levels(levels)
         data, sizes = _data(work, resolution)
         steps = -(-len(data.x_train) // batch) * epochs * len(level_list)
@@ -626,6 +652,8 @@ def numerics(
 def summary(
     model_file: ModelFile = None,
     model: ModelName = "resnet50",
+    hf: HfSpec = None,
+    hf_class: HfClass = None,
     level: Annotated[str, typer.Option(help="The level to convert at.")] = "L3",
     debug: Debug = False,
 ) -> None:
@@ -638,7 +666,7 @@ def summary(
 
     with _errors(debug):
         lv = actune.get_level(level)
-        work = _workload(model_file, model)
+        work = _workload(model_file, model, hf, hf_class)
         with torch.device("meta"):  # structure only: no memory for the weights
             net = actune.compress(work.model(), lv)
         table = Table(title=f"actune.compress({work.name}, {lv.name})", title_justify="left")

@@ -12,6 +12,7 @@ as they are, with the reason in :func:`summary`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,11 +26,13 @@ from actune.levels import Level, get_level
 from actune.traced import TracedMode, traced
 
 __all__ = ["ConversionRow", "autoprec_of", "compress", "decompress", "is_compressed",
-           "summary"]
+           "stats_of", "summary", "track_stats"]
 
 _LEVEL_ATTR = "_actune_level"
 _AUTOPREC_ATTR = "_actune_autoprec"
 _ROOT_LEVEL_ATTR = "_actune_root_level"
+_STATS_ATTR = "_actune_stats"
+_TRACK_ATTR = "_actune_track_stats"
 
 # Layer classes with a compressed counterpart, and what the counterpart keeps for backward.
 _SUPPORTED: dict[type[nn.Module], str] = {
@@ -145,8 +148,30 @@ def _enter_forward(module, _args):
     ap = module.__dict__.get(_AUTOPREC_ATTR) if module.training else None
     stack = contextlib.ExitStack()
     stack.enter_context(shared_cache(ap))
-    stack.enter_context(compressed(module.__dict__[_ROOT_LEVEL_ATTR]))
+    stats = functools.partial(_remember_stats, module) if module.__dict__.get(
+        _TRACK_ATTR) else None  # (accounting costs a little on every saved tensor: opt-in)
+    stack.enter_context(compressed(module.__dict__[_ROOT_LEVEL_ATTR], stats=stats))
     module._actune_cache = stack
+
+
+def _remember_stats(module: nn.Module, stats) -> None:
+    if module.training:
+        module.__dict__[_STATS_ATTR] = stats
+
+
+def track_stats(model: nn.Module, on: bool = True) -> nn.Module:
+    """Record the :class:`~actune.CompressionStats` of each training forward of ``model`` (a
+    model converted by :func:`compress`) for :func:`stats_of`; returns the model. The
+    callbacks of :mod:`actune.integrations` turn it on when training starts."""
+    model.__dict__[_TRACK_ATTR] = on
+    return model
+
+
+def stats_of(model: nn.Module):
+    """The :class:`~actune.CompressionStats` of ``model``'s last forward pass in training mode
+    since :func:`track_stats` (None before one): what its saved tensors would have taken and
+    what was kept."""
+    return model.__dict__.get(_STATS_ATTR)
 
 
 def _exit_forward(module, _args, _output):

@@ -88,6 +88,8 @@ class _PeakTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
     def _pre_bw_hook(self, module, args) -> None:
+        if module is None:  # (the module's weak reference died: BERT's classifier head)
+            return
         self._enter(module)
         super()._pre_bw_hook(module, args)
 

@@ -309,4 +309,9 @@ def load(path: str | Path) -> Workload:
 
 def from_source(source: str) -> Workload:
     """The workload a ``Workload.source`` string names."""
+    if source.startswith("hf:"):
+        from actune.tune.hf_workload import hf_workload
+
+        spec, _, cls = source[3:].partition("#")
+        return hf_workload(spec, cls or None)
     return builtin(source[8:]) if source.startswith("builtin:") else load(source)

@@ -1,0 +1,127 @@
+"""`--hf`: a Hugging Face model from its config alone, written here (no download)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from actune.cli import app
+from actune.tune.hf_workload import hf_workload
+from actune.tune.workload import WorkloadError, from_source
+
+transformers = pytest.importorskip("transformers")
+runner = CliRunner()
+
+
+def flat(text: str) -> str:
+    return "".join(c for c in text if not c.isspace() and c not in "│╭╮╰╯─")
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    made = {
+        "gpt2": transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256,
+                                        n_positions=128, architectures=["GPT2LMHeadModel"],
+                                        bos_token_id=0, eos_token_id=0),
+        "llama": transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          intermediate_size=176, vocab_size=256,
+                                          max_position_embeddings=128, bos_token_id=0,
+                                          eos_token_id=0, architectures=["LlamaForCausalLM"]),
+        "bert": transformers.BertConfig(num_hidden_layers=2, hidden_size=64,
+                                        num_attention_heads=2, intermediate_size=128,
+                                        vocab_size=256, max_position_embeddings=128,
+                                        num_labels=3,
+                                        architectures=["BertForSequenceClassification"]),
+    }
+    for name, config in made.items():
+        config.save_pretrained(root / name)
+    return root
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_maxbatch_on_a_config_directory(configs, name):
+    result = runner.invoke(app, ["maxbatch", "--hf", str(configs / name), "--levels", "L0,L3",
+                                 "--budget", "256MiB", "--json", str(configs / f"{name}.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((configs / f"{name}.json").read_text())
+    l0, l3 = (r["value"] for r in report["levels"])
+    assert 0 < l0 < l3
+
+
+def test_the_task_decides_the_batch(configs):
+    bert = hf_workload(str(configs / "bert" / "config.json"))
+    inputs, targets = bert.make_batch(4, 32)
+    assert inputs["input_ids"].shape == (4, 32) and inputs["labels"].shape == (4,)
+    assert int(inputs["labels"].max()) < 3 and targets is None
+    gpt2 = hf_workload(str(configs / "gpt2"))
+    inputs, _ = gpt2.make_batch(2, 16)
+    assert inputs["labels"] is inputs["input_ids"]
+    loss = gpt2.step_loss(gpt2.model(), inputs, None)
+    assert loss.dim() == 0 and loss.requires_grad
+
+
+def test_depth_and_width_scale_the_config_with_whole_heads(configs):
+    llama = hf_workload(str(configs / "llama"))
+    model = llama.model(depth=2.0, width=1.5)
+    config = model.config
+    assert config.num_hidden_layers == 4
+    assert config.hidden_size == 96 and config.num_attention_heads == 6  # 16 per head
+    assert config.num_attention_heads % config.num_key_value_heads == 0
+    assert config.intermediate_size == 264
+    assert from_source(llama.source).name == llama.name  # rebuilt by name in other processes
+
+
+def test_hf_class_overrides_the_architecture(configs):
+    work = hf_workload(str(configs / "gpt2"), "GPT2ForSequenceClassification")
+    assert type(work.model()).__name__ == "GPT2ForSequenceClassification"
+    inputs, _ = work.make_batch(2, 16)
+    assert inputs["labels"].shape == (2,)
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ("{not json", "doesnotparseasJSON"),
+    (json.dumps({"model_type": "nosuchtype"}), "doesnotknowthemodeltype'nosuchtype'"),
+    (json.dumps({"vocab_size": 3}), "hasno\"model_type\""),
+    (json.dumps({"model_type": "gpt2", "architectures": ["NoSuchModel"]}),
+     "hasnomodelclass'NoSuchModel'"),
+])
+def test_bad_configs_get_one_clear_paragraph_and_exit_2(tmp_path, content, says):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    result = runner.invoke(app, ["maxbatch", "--hf", str(path)])
+    assert result.exit_code == 2
+    assert says in flat(result.output) and "Traceback" not in result.output
+
+
+def test_a_hub_id_without_network_says_what_to_do(monkeypatch):
+    def offline(spec, *args, **kwargs):  # what transformers raises with no network (quickly)
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files of "
+                      f"{spec}, and couldn't find them in the cached files.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    with pytest.raises(WorkloadError, match="Without network access, pass a local"):
+        hf_workload("nobody-here/no-such-model")
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name == "transformers":
+            raise ImportError("No module named 'transformers'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    result = runner.invoke(app, ["summary", "--hf", "anything"])
+    assert result.exit_code == 2 and "actune[hf]" in flat(result.output)
+
+
+def test_hf_and_a_model_file_together_are_refused(tmp_path):
+    result = runner.invoke(app, ["maxbatch", str(tmp_path / "m.py"), "--hf", "x"])
+    assert result.exit_code == 2 and "not both" in result.output
