@@ -77,6 +77,10 @@ HfSpec = Annotated[str | None, typer.Option(
 HfClass = Annotated[str | None, typer.Option(
     "--hf-class", help="With --hf: the model class (default: the config's architectures).",
     show_default=False)]
+PrecisionOpt = Annotated[str | None, typer.Option(
+    "--precision", help="How the step runs, with Lightning's names: 32-true, bf16-mixed, "
+    "16-mixed (autocast; a GradScaler in real steps) or bf16-true (the model cast). Default: "
+    "the model file's `precision`, else 32-true.", show_default=False)]
 Levels = Annotated[str, typer.Option(help="Levels: L0-L5, L0,L3 or L3; with the alternatives "
                                      "ckpt, offload and L3+ckpt (docs/tuning.md).")]
 BudgetOpt = Annotated[str | None, typer.Option(
@@ -170,7 +174,18 @@ def _errors(debug: bool):
 
 
 def _workload(model_file: Path | None, model: str, hf: str | None = None,
-              hf_class: str | None = None):
+              hf_class: str | None = None, precision: str | None = None):
+    """The workload (see :func:`_source`) at ``precision`` if given."""
+    work = _source(model_file, model, hf, hf_class)
+    if precision is not None:
+        from actune.tune.workload import check_precision
+
+        work.precision = check_precision(precision)
+    return work
+
+
+def _source(model_file: Path | None, model: str, hf: str | None = None,
+            hf_class: str | None = None):
     """The model file's workload, the Hugging Face config's (``--hf``), or the built-in
     model's."""
     from actune.tune import workload as wl
@@ -198,14 +213,15 @@ def _data(work, resolution: int | None):
 
 def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
            mode: str | None, world_size: int = 1, shard: str = "fsdp",
-           jobs: int | None = None, hf: str | None = None, hf_class: str | None = None):
+           jobs: int | None = None, hf: str | None = None, hf_class: str | None = None,
+           precision: str | None = None):
     import torch
 
     from actune.memory import parse_budget, probe
     from actune.tune.alternatives import parse_configs
     from actune.tune.run import Settings
 
-    workload = _workload(model_file, model, hf, hf_class)
+    workload = _workload(model_file, model, hf, hf_class, precision)
     level_list = parse_configs(levels)
     info = probe()
     cuda = info.available and torch.cuda.is_available()
@@ -318,6 +334,7 @@ def maxbatch(
     model: ModelName = "resnet50",
     hf: HfSpec = None,
     hf_class: HfClass = None,
+    precision: PrecisionOpt = None,
     levels: Levels = "L0-L5",
     budget: BudgetOpt = None,
     mode: ModeOpt = None,
@@ -340,7 +357,8 @@ def maxbatch(
         if plot is not None:
             _require_matplotlib()
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
-                                                world_size, shard, jobs, hf, hf_class)
+                                                world_size, shard, jobs, hf, hf_class,
+                                                precision)
         sizes = {"resolution": resolution} if resolution else {}
         t0 = time.perf_counter()
         report = _run_job(run.maxbatch, level_list, quiet, json_path, workload=workload,
@@ -359,6 +377,7 @@ def scale(
     model: ModelName = "resnet152",
     hf: HfSpec = None,
     hf_class: HfClass = None,
+    precision: PrecisionOpt = None,
     batch: Annotated[int, typer.Option(min=1, help="The batch size to hold fixed.")] = 64,
     levels: Levels = "L0-L5",
     budget: BudgetOpt = None,
@@ -381,7 +400,8 @@ def scale(
 
     with _errors(debug):
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
-                                                world_size, shard, jobs, hf, hf_class)
+                                                world_size, shard, jobs, hf, hf_class,
+                                                precision)
         workload.require(dim)
         _run_job(run.scale, level_list, quiet, json_path, workload=workload,
                  settings=settings, dim=dim, batch=batch,
@@ -394,6 +414,7 @@ def bench(
     model: ModelName = "resnet18",
     hf: HfSpec = None,
     hf_class: HfClass = None,
+    precision: PrecisionOpt = None,
     levels: Levels = "L0-L5",
     batch: Annotated[int, typer.Option(min=1, help="Batch size for every level.")] = 64,
     at_max: Annotated[bool, typer.Option("--at-max", help="Run each level at its own largest "
@@ -415,7 +436,7 @@ def bench(
         if plot is not None:
             _require_matplotlib()
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode, hf=hf,
-                                                hf_class=hf_class)
+                                                hf_class=hf_class, precision=precision)
         if resolution is None and model_file is None and hf is None:
             resolution = BENCH_BUILTIN_RESOLUTION
         sizes = {"resolution": resolution} if resolution and "resolution" in workload.dims \
@@ -452,6 +473,7 @@ def train(
     model: ModelName = "tinycnn",
     hf: HfSpec = None,
     hf_class: HfClass = None,
+    precision: PrecisionOpt = None,
     levels: Annotated[str, typer.Option(help="Levels: L0,L3 or L0-L3; a number of bits such "
                                         "as 2b or 1.25b is mixed precision.")] = "L0,L3",
     epochs: Annotated[int, typer.Option(min=1, help="Epochs per level.")] = 10,
@@ -481,7 +503,7 @@ def train(
         if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
             raise _UsageError(f"--device {device}: use cpu" + (
                 " or cuda" if torch.cuda.is_available() else " (torch sees no CUDA device)"))
-        work = _workload(model_file, model, hf, hf_class)
+        work = _workload(model_file, model, hf, hf_class, precision)
         level_list = parse_levels(levels)
         data, sizes = _data(work, resolution)
         steps = -(-len(data.x_train) // batch) * epochs * len(level_list)
@@ -497,6 +519,7 @@ def train(
                                    seed=seed, batch_size=batch, loss_fn=work.loss,
                                    make_optimizer=work.optimizer, every=every,
                                    per_sample=per_sample, device=device,
+                                   precision=work.precision,
                                    on_step=(lambda: bar.advance(task)) if bar else None,
                                    keep=lambda _m, ap, name=lv.name: allocators.__setitem__(
                                        name, ap)):

@@ -82,6 +82,8 @@ class Report:
     # bench: the largest batch at L0 and at L3 under the budget, estimated, and how long that
     # took ({"L0": 763, "L3": 2011, "seconds": 3.0}; a level that fits nothing: None)
     answer: dict | None = None
+    #: the step's precision (Lightning's names): ratios are against its own L0
+    precision: str = "32-true"
 
     def choose_best(self) -> None:
         """Name the fastest level whose batch fits (``bench --at-max``)."""
@@ -168,6 +170,8 @@ def render(report: Report, console: Console) -> None:
     budget comes from on a line under the table: the title stays within 80 columns)."""
     title = (f"actune {report.command}: {report.model}, {report.device}, budget "
              f"{human_bytes(report.budget_bytes)}, {report.mode}")
+    if report.precision != "32-true":
+        title += f", {report.precision}"
     if report.fixed:
         title += ", " + ", ".join(f"{k} {v}" for k, v in report.fixed.items())
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)  # (a title would wrap to its width)

@@ -17,6 +17,7 @@ from actune.autoprec import AutoPrecision
 from actune.convert import autoprec_of, compress
 from actune.data import Dataset
 from actune.levels import Level
+from actune.precision import PRECISIONS, autocast, cast_model, scaler
 
 __all__ = ["EpochResult", "accuracy", "default_optimizer", "train"]
 
@@ -56,14 +57,17 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
           device: str | torch.device = "cpu",
           on_step: Callable[[], None] | None = None,
           keep: Callable[[nn.Module, AutoPrecision | None], None] | None = None,
-          ) -> Iterator[EpochResult]:
+          precision: str = "32-true") -> Iterator[EpochResult]:
     """Train a fresh model (built after ``torch.manual_seed(seed)``) at ``level``; yields one
     :class:`EpochResult` per epoch. ``every``: steps between re-allocations and ``per_sample``:
     bits per sample too (mixed-precision levels; the allocator is told each batch's sample
     indices, see :meth:`AutoPrecision.samples`). ``keep`` is called with the model and its
-    allocator at the end."""
+    allocator at the end. ``precision``: Lightning's names (:mod:`actune.precision`)."""
     torch.manual_seed(seed)
-    model = build_model().to(device)
+    model = cast_model(precision, build_model().to(device))
+    kind = torch.device(device).type
+    grad_scaler = scaler(precision, kind)
+    inputs_dtype = PRECISIONS[precision][1]
     compress(model, level, every=every, per_sample=per_sample)
     model.train()
     optimizer = (make_optimizer or default_optimizer)(model.parameters())
@@ -78,11 +82,19 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
             yb = data.y_train[idx].to(device, non_blocking=True)
             if ap is not None and per_sample:
                 ap.samples(idx)  # which samples these are: their gradients are remembered
-            out = model(xb)
-            loss = loss_fn(out, yb)
+            if inputs_dtype is not None and xb.is_floating_point():
+                xb = xb.to(inputs_dtype)
+            with autocast(precision, kind):
+                out = model(xb)
+                loss = loss_fn(out, yb)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            if grad_scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                grad_scaler.scale(loss).backward()
+                grad_scaler.step(optimizer)
+                grad_scaler.update()
             # summed on the device: one transfer per epoch, not per step
             total_loss = total_loss + loss.detach() * len(yb)
             right = right + (out.detach().argmax(1) == yb).sum()
@@ -92,7 +104,9 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
         total_loss, right = float(total_loss), int(right)
         seconds = time.perf_counter() - start
         yield EpochResult(level.name, epoch, total_loss / seen, right / seen,
-                          accuracy(model, data.x_test, data.y_test, device=device), seconds,
+                          accuracy(model, data.x_test if inputs_dtype is None
+                                   else data.x_test.to(inputs_dtype), data.y_test,
+                                   device=device), seconds,
                           ap.mean_bits if ap is not None and ap.reallocations else None)
     if keep is not None:
         keep(model, ap)

@@ -158,7 +158,8 @@ def prepare(workload: Workload, config: Config, model: torch.nn.Module) -> torch
 
 
 def _isolated(trial: Trial, batch: int) -> Peak:  # pragma: no cover - needs a GPU
-    spec = json.dumps({"source": trial.workload.source, "config": trial.config.to_json(),
+    spec = json.dumps({"source": trial.workload.source, "precision": trial.workload.precision,
+                       "config": trial.config.to_json(),
                        "sizes": trial.sizes, "batch": batch, "device": trial.device})
     try:
         done = subprocess.run([sys.executable, "-m", "actune.tune.probe", spec],
@@ -175,8 +176,10 @@ def _isolated(trial: Trial, batch: int) -> Peak:  # pragma: no cover - needs a G
 
 def _main(argv: list[str]) -> int:  # pragma: no cover - runs in the isolated subprocess
     spec = json.loads(argv[0])
-    trial = Trial(from_source(spec["source"]), Config.from_json(spec["config"]), spec["sizes"],
-                  "measure", spec["device"])
+    workload = from_source(spec["source"])
+    workload.precision = spec.get("precision", "32-true")
+    trial = Trial(workload, Config.from_json(spec["config"]), spec["sizes"], "measure",
+                  spec["device"])
     try:
         peak = StepMeter(*trial._parts(), "measure", spec["device"]).peak(spec["batch"])
     except Exception as err:

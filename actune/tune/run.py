@@ -19,6 +19,7 @@ import torch
 
 import actune
 from actune.memory import Budget
+from actune.precision import scaler as precision_scaler
 from actune.report import LevelResult, Report
 from actune.tune.alternatives import Config, get_config
 from actune.tune.ceiling import parameter_bytes, parameter_state_ceiling
@@ -137,7 +138,7 @@ def maxbatch(workload: Workload, levels: list, settings: Settings, *,
     sizes = sizes or {}
     report = Report("maxbatch", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch",
-                    {**sizes, **settings.fixed})
+                    {**sizes, **settings.fixed}, precision=workload.precision)
     _each_level(report, levels, settings, on_level, on_probe,
                 lambda level, probed: _maxbatch_level(workload, level, settings, sizes, start,
                                                       multiple_of, maximum, probed),
@@ -262,7 +263,7 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
                          f"give a larger --max")
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, dim,
-                    {"batch": batch, **settings.fixed})
+                    {"batch": batch, **settings.fixed}, precision=workload.precision)
 
     def ceiling(row: LevelResult) -> None:  # the first level with an answer sets it
         if dim in ("depth", "width") and row.value and report.ceiling is None:
@@ -348,14 +349,21 @@ def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str
             inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
         states.append((get_config(level), model, opt, inputs, targets))
 
+    scaler = precision_scaler(workload.precision, device.split(":")[0])
+
     def step(config, model, opt, inputs, targets) -> float:
         sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with actune.compressed(config.run_level), config.saving(device):
             loss = workload.step_loss(model, inputs, targets)
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:  # 16-mixed: as Lightning's precision plugin steps
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         sync()
         return time.perf_counter() - t0
 
@@ -388,7 +396,8 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
     the budget, estimated (``report.answer``)."""
     sizes = sizes or {}
     report = Report("bench", workload.name, settings.device_name, settings.budget.bytes,
-                    settings.budget.source, settings.mode, "batch", dict(sizes))
+                    settings.budget.source, settings.mode, "batch", dict(sizes),
+                    precision=workload.precision)
     if batch and levels:  # one untimed step first: thread pools, allocator and kernels warm up
         throughput(workload, levels[-1], batch, sizes, settings.device, steps=1, warmup=1)
     levels = [get_config(lv) for lv in levels]

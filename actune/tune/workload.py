@@ -36,12 +36,22 @@ from torch.overrides import TorchFunctionMode
 
 from actune import data, zoo
 from actune.data import Dataset
+from actune.precision import PRECISIONS, autocast, cast_model
 from actune.train import default_optimizer
 from actune.tune.oom import is_oom
 
-__all__ = ["DIMENSIONS", "Workload", "WorkloadError", "builtin", "from_source", "load"]
+__all__ = ["DIMENSIONS", "PRECISIONS", "Workload", "WorkloadError", "builtin", "check_precision",
+           "from_source", "load"]
 
 DIMENSIONS = ("depth", "width", "resolution")
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`; else a WorkloadError naming them."""
+    if precision not in PRECISIONS:
+        raise WorkloadError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)} "
+                            "(Lightning's names).")
+    return precision
 
 
 class WorkloadError(Exception):
@@ -62,6 +72,9 @@ class Workload:
     dataset_fn: Callable | None = None  # make_dataset(): real data for training
     custom_loss: bool = False  # the model file defines loss_fn
     blocks_fn: Callable | None = None  # checkpoint_blocks(model): the blocks ckpt wraps
+    #: how the step runs (:data:`PRECISIONS`): autocast around forward and loss ("bf16-mixed",
+    #: "16-mixed", with a GradScaler in real steps), or the model cast ("bf16-true")
+    precision: str = "32-true"
 
     def dataset(self, resolution: int | None = None) -> Dataset:
         """The workload's training and test data (``make_dataset`` of a model file)."""
@@ -90,10 +103,22 @@ class Workload:
         is skipped (on fake tensors each is an operation of its own: seconds for a deep
         model)."""
         kwargs = {k: v for k, v in sizes.items() if k in self.dims}
-        if values:
-            return self._call("build_model()", self.factory, **kwargs)
-        with _ShapesOnly():
-            return self._call("build_model()", self.factory, **kwargs)
+        dtype = PRECISIONS[self.precision][1]
+        default = torch.get_default_dtype()
+        if dtype is not None:  # built in it (casting fake parameters cannot swap them)
+            torch.set_default_dtype(dtype)
+        try:
+            if values:
+                model = self._call("build_model()", self.factory, **kwargs)
+            else:
+                with _ShapesOnly():
+                    model = self._call("build_model()", self.factory, **kwargs)
+        finally:
+            torch.set_default_dtype(default)
+        if dtype is not None and any(p.is_floating_point() and p.dtype != dtype
+                                     for p in model.parameters()):
+            model = cast_model(self.precision, model)
+        return model
 
     def make_batch(self, batch: int, resolution=None) -> tuple:
         """A batch of ``batch`` samples, its tensors on the current default device (the one a
@@ -104,7 +129,9 @@ class Workload:
             made = self._call(f"make_batch({batch})", self.batch, batch)
         if not isinstance(made, (tuple, list)):
             return made  # the caller's check names what is wrong
-        return tuple(_to_device(t, torch.get_default_device()) for t in made)
+        made = tuple(_to_device(t, torch.get_default_device()) for t in made)
+        cast = PRECISIONS[self.precision][1]
+        return made if cast is None else tuple(_cast_floats(t, cast) for t in made)
 
     @staticmethod
     def forward(model: nn.Module, inputs):
@@ -136,7 +163,9 @@ class Workload:
         """Forward ``inputs`` through ``model`` and return the loss; nothing else of the
         output is kept (a model's logits are freed before backward, as in a training loop
         that keeps only the loss)."""
-        return self.loss_of(self.forward(model, inputs), targets)
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        with autocast(self.precision, device):
+            return self.loss_of(self.forward(model, inputs), targets)
 
     def _batch_params(self) -> set[str]:
         return set(inspect.signature(self.batch).parameters)
@@ -227,6 +256,17 @@ def _to_device(value, device: torch.device):
     return value
 
 
+def _cast_floats(value, dtype: torch.dtype):
+    """``value`` with its floating tensors (inside tuples, lists and dicts too) in ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple | list):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
 def _own_loss(outputs) -> torch.Tensor | None:
     """The loss a model returned itself: a ``loss`` attribute or key holding a tensor."""
     loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
@@ -298,7 +338,8 @@ def load(path: str | Path) -> Workload:
     factory = module.build_model
     params = inspect.signature(factory).parameters
     dims = {d: params[d].default for d in DIMENSIONS if d in params}
-    return Workload(p.stem, factory, module.make_batch,
+    precision = check_precision(getattr(module, "precision", "32-true"))
+    return Workload(p.stem, factory, module.make_batch, precision=precision,
                     loss=getattr(module, "loss_fn", F.cross_entropy),
                     custom_loss=callable(getattr(module, "loss_fn", None)),
                     optimizer=getattr(module, "make_optimizer", default_optimizer),
