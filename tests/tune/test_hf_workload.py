@@ -125,3 +125,14 @@ def test_missing_transformers_names_the_extra(monkeypatch):
 def test_hf_and_a_model_file_together_are_refused(tmp_path):
     result = runner.invoke(app, ["maxbatch", str(tmp_path / "m.py"), "--hf", "x"])
     assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_a_vision_config_gets_pixel_values_at_its_image_size(tmp_path):
+    transformers.ViTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                           intermediate_size=64, image_size=32, patch_size=8, num_labels=5,
+                           architectures=["ViTForImageClassification"]).save_pretrained(tmp_path)
+    work = hf_workload(str(tmp_path))
+    inputs, _ = work.make_batch(2)
+    assert inputs["pixel_values"].shape == (2, 3, 32, 32) and int(inputs["labels"].max()) < 5
+    loss = work.step_loss(work.model(), inputs, None)
+    assert loss.dim() == 0 and loss.requires_grad
