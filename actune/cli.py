@@ -422,6 +422,9 @@ def bench(
     resolution: BenchResolution = None,
     steps: Annotated[int, typer.Option(min=1, help="Timed steps per level.")] = 5,
     warmup: Annotated[int, typer.Option(min=0, help="Untimed steps first.")] = 2,
+    compile_: Annotated[bool, typer.Option(
+        "--compile", help="Also each level's step under torch.compile, timed in the same "
+        "rounds (speed only; compiling happens in the warm-up steps).")] = False,
     budget: BudgetOpt = None,
     mode: ModeOpt = None,
     plot: PlotOpt = None,
@@ -435,6 +438,8 @@ def bench(
     with _errors(debug):
         if plot is not None:
             _require_matplotlib()
+        if compile_ and at_max:
+            raise _UsageError("--compile times every level at one batch: drop --at-max")
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode, hf=hf,
                                                 hf_class=hf_class, precision=precision)
         if resolution is None and model_file is None and hf is None:
@@ -443,7 +448,8 @@ def bench(
             else {}
         report = _run_job(run.bench, level_list, quiet, json_path, workload=workload,
                           settings=settings, batch=batch, at_max=at_max,
-                          sizes=sizes, steps=steps, warmup=warmup, answer=True)
+                          sizes=sizes, steps=steps, warmup=max(warmup, 1 if compile_ else 0),
+                          answer=True, compile=compile_)
         _plot(plot, workload, level_list, settings, report, sizes, quiet)
 
 

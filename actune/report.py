@@ -53,6 +53,7 @@ class LevelResult:
     base_level: str = ""  # the level alone ("L3" for "L3+ckpt")
     checkpoint: bool = False  # activation checkpointing around each block
     offload: bool = False  # every saved tensor (or the level's packed ones) in host memory
+    compiled: bool = False  # bench --compile: the same level's step under torch.compile
 
     @property
     def compression(self) -> float | None:

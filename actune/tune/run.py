@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -330,8 +331,9 @@ def throughputs(workload: Workload, runs: list[tuple], sizes: dict, device: str,
 
 def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str,
                  steps: int = 5, warmup: int = 2) -> list[list[float]]:
-    """Step times of each (level, batch), one list per run: every run gets its own model
-    (same seed) and ``warmup`` untimed steps, then the timed steps are taken in rounds, one
+    """Step times of each (level, batch[, compiled]), one list per run: every run gets its own
+    model (same seed; under ``torch.compile`` where ``compiled`` is true) and ``warmup``
+    untimed steps, then the timed steps are taken in rounds, one
     step of each run per round, so drift in the machine's speed (other work, a warming
     allocator) falls on all runs alike."""
     cuda = device.startswith("cuda")
@@ -341,12 +343,14 @@ def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str
             torch.cuda.synchronize(device)
 
     states = []
-    for level, batch in runs:
+    for level, batch, *compiled in runs:
         torch.manual_seed(0)
         with torch.device(device):
             model = prepare(workload, get_config(level), workload.model(**sizes))
             opt = workload.optimizer(model.parameters())
             inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
+        if compiled and compiled[0]:  # (its first steps, the warm-up, compile it)
+            model = torch.compile(model)
         states.append((get_config(level), model, opt, inputs, targets))
 
     scaler = precision_scaler(workload.precision, device.split(":")[0])
@@ -367,13 +371,15 @@ def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str
         sync()
         return time.perf_counter() - t0
 
-    for state in states:
-        for _ in range(warmup):
-            step(*state)
-    times: list[list[float]] = [[] for _ in states]
-    for _ in range(steps):
-        for i, state in enumerate(states):
-            times[i].append(step(*state))
+    with warnings.catch_warnings():  # (torch warns of the fusing module hooks once compiled)
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when")
+        for state in states:
+            for _ in range(warmup):
+                step(*state)
+        times: list[list[float]] = [[] for _ in states]
+        for _ in range(steps):
+            for i, state in enumerate(states):
+                times[i].append(step(*state))
     return times
 
 
@@ -390,10 +396,11 @@ def _round_ratios(base: list[float], times: list[float]) -> tuple[float, float]:
 def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | None,
           at_max: bool = False, sizes: dict | None = None, steps: int = 5, warmup: int = 2,
           multiple_of: int = 1, answer: bool = False, on_probe: Callable | None = None,
-          on_level: Callable[[Report], None] | None = None) -> Report:
+          on_level: Callable[[Report], None] | None = None, compile: bool = False) -> Report:
     """Throughput and memory per level at one batch (or each level's own max batch). With
     ``answer`` (an estimate, one batch for all): also the largest batch at L0 and at L3 under
-    the budget, estimated (``report.answer``)."""
+    the budget, estimated (``report.answer``). With ``compile`` (one batch for all): each
+    level's step under ``torch.compile`` too, timed in the same rounds (speed only)."""
     sizes = sizes or {}
     report = Report("bench", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch", dict(sizes),
@@ -427,7 +434,13 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
         else:
             pending.append((row, level))
     if pending:  # one batch for all: their steps are timed in interleaved rounds
-        times = timed_rounds(workload, [(level, row.value) for row, level in pending], sizes,
+        if compile:
+            pending += [(LevelResult(f"{row.level} compiled", row.value, compiled=True,
+                                     base_level=row.base_level,
+                                     note="torch.compile: speed only (docs/training.md)"),
+                         level) for row, level in pending]
+        times = timed_rounds(workload, [(level, row.value, row.compiled)
+                                        for row, level in pending], sizes,
                              settings.device, steps, warmup)
         base = next((t for (row, _), t in zip(pending, times, strict=True)
                      if row.level == "L0"), None)
@@ -437,6 +450,7 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
                 row.ratio_spread = list(_round_ratios(base, t))
             _add(report, row, on_level)
         order = {lv.name: i for i, lv in enumerate(levels)}
+        order.update({f"{name} compiled": i + len(order) for name, i in list(order.items())})
         if [r.level for r in report.levels] != sorted(order, key=order.get):
             report.levels.sort(key=lambda r: order[r.level])  # back in the order asked for
             if on_level:

@@ -112,3 +112,23 @@ def test_a_torch_too_old_warns_once_and_runs_eagerly(monkeypatch):
     assert sum(counters["graph_break"].values()) > 0  # the layers ran eagerly
     for g, e in zip(grads, exact, strict=True):
         assert (g - e).norm() <= 0.05 * e.norm() + 1e-6
+
+
+def test_bench_compile_adds_timed_compiled_rows(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from actune.cli import app
+
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(app, ["bench", "--model", "tinycnn", "--levels", "L0,L3",
+                                      "--compile", "--steps", "1", "--warmup", "1",
+                                      "--batch", "8", "--budget", "64MiB", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["levels"]
+    assert [(r["level"], r["compiled"]) for r in rows] == [
+        ("L0", False), ("L3", False), ("L0 compiled", True), ("L3 compiled", True)]
+    assert all(r["samples_per_s"] > 0 for r in rows)
+    refused = CliRunner().invoke(app, ["bench", "--compile", "--at-max"])
+    assert refused.exit_code == 2 and "--at-max" in refused.output
