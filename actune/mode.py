@@ -97,7 +97,8 @@ class FunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _QUERIES or not args or not _needs_grad(args, kwargs):
             return func(*args, **kwargs)  # (a batch norm asks its input's dim() each call)
-        if traced():  # Dynamo traces this: the traced rules
+        if traced():  # Dynamo traces this: the traced rules (torch.compiler.is_compiling:
+            # Dynamo guards on a read of torch's own flag and would compile again each call)
             return dispatch(self.s.level, func, args, kwargs) if self.substitutes \
                 else func(*args, **kwargs)
         if _compiling():  # (see _eagerly below)

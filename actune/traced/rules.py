@@ -15,6 +15,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
 from actune.levels import Level
+from actune.substitutes import arg
 from actune.traced.attention import PackedAttention, PackedCrossEntropy
 from actune.traced.convolutions import MaskedReLU, PackedBatchNorm, PackedConv
 from actune.traced.functions import (
@@ -41,10 +42,6 @@ def _register(*funcs: Callable) -> Callable[[Handler], Handler]:
     return add
 
 
-def _arg(args: tuple, kwargs: dict, i: int, name: str, default=None):
-    return args[i] if len(args) > i else kwargs.get(name, default)
-
-
 def _activation(t, level: Level) -> bool:
     """A floating tensor computed in the graph (not a leaf such as a weight), large enough."""
     return (isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_leaf
@@ -53,7 +50,7 @@ def _activation(t, level: Level) -> bool:
 
 @_register(F.linear)
 def _linear(level, args, kwargs):
-    x, w, b = args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+    x, w, b = args[0], arg(args, kwargs, 1, "weight", None), arg(args, kwargs, 2, "bias", None)
     if level.matmul_bits is None or not _activation(x, level) or not isinstance(w, torch.Tensor):
         return None
     return PackedLinear.apply(x, w, b, level.matmul_bits, level.group_size)
@@ -93,9 +90,9 @@ def _derivative(name: str) -> Handler:
         x = args[0]
         if level.other_bits is None or not _activation(x, level):
             return None
-        if name == "gelu" and _arg(args, kwargs, 1, "approximate", "none") == "tanh":
+        if name == "gelu" and arg(args, kwargs, 1, "approximate", "none") == "tanh":
             return PackedDerivative.apply(x, "gelu_tanh", level.other_bits, level.group_size)
-        if name == "silu" and _arg(args, kwargs, 1, "inplace", False):
+        if name == "silu" and arg(args, kwargs, 1, "inplace", False):
             return None
         return PackedDerivative.apply(x, name, level.other_bits, level.group_size)
     return handler
@@ -108,10 +105,10 @@ _register(F.silu)(_derivative("silu"))
 def _norm(rms: bool) -> Handler:
     def handler(level, args, kwargs):
         x = args[0]
-        shape = _arg(args, kwargs, 1, "normalized_shape")
-        weight = _arg(args, kwargs, 2, "weight")
-        bias = None if rms else _arg(args, kwargs, 3, "bias")
-        eps = _arg(args, kwargs, 3 if rms else 4, "eps", None if rms else 1e-5)
+        shape = arg(args, kwargs, 1, "normalized_shape", None)
+        weight = arg(args, kwargs, 2, "weight", None)
+        bias = None if rms else arg(args, kwargs, 3, "bias", None)
+        eps = arg(args, kwargs, 3 if rms else 4, "eps", None if rms else 1e-5)
         if level.other_bits is None or not _activation(x, level) or shape is None:
             return None
         if eps is None:
@@ -129,9 +126,9 @@ _register(F.rms_norm)(_norm(True))
 @_register(F.softmax, torch.softmax, torch.Tensor.softmax)
 def _softmax(level, args, kwargs):
     x = args[0]
-    dim = _arg(args, kwargs, 1, "dim")
+    dim = arg(args, kwargs, 1, "dim", None)
     if (level.other_bits is None or not _activation(x, level) or dim is None
-            or _arg(args, kwargs, 3 if len(args) > 3 else 2, "dtype") is not None):
+            or arg(args, kwargs, 3 if len(args) > 3 else 2, "dtype", None) is not None):
         return None
     return TwoCopySoftmax.apply(x, dim, level.other_bits, level.group_size)
 
@@ -140,7 +137,7 @@ def _softmax(level, args, kwargs):
 def _mul(level, args, kwargs):
     """Two activations of one shape; a product with a broadcast operand (rotary tables, a
     mask) saves only that small operand and runs as it is."""
-    a, b = args[0], _arg(args, kwargs, 1, "other")
+    a, b = args[0], arg(args, kwargs, 1, "other", None)
     if (level.sensitive_width is None or len(args) + len(kwargs) != 2
             or not (_activation(a, level) and _activation(b, level))
             or a.shape != b.shape or a.dtype != b.dtype or not (a.requires_grad
@@ -152,10 +149,10 @@ def _mul(level, args, kwargs):
 @_register(F.scaled_dot_product_attention)
 def _attention(level, args, kwargs):
     q, k, v = args[:3]
-    mask = _arg(args, kwargs, 3, "attn_mask")
-    dropout = _arg(args, kwargs, 4, "dropout_p", 0.0)
-    causal = bool(_arg(args, kwargs, 5, "is_causal", False))
-    scale = _arg(args, kwargs, 6, "scale")
+    mask = arg(args, kwargs, 3, "attn_mask", None)
+    dropout = arg(args, kwargs, 4, "dropout_p", 0.0)
+    causal = bool(arg(args, kwargs, 5, "is_causal", False))
+    scale = arg(args, kwargs, 6, "scale", None)
     if (level.nonlinear_bits is None or level.sensitive_width is None or dropout
             or not all(_activation(t, level) for t in (q, k, v))
             or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.requires_grad))
@@ -167,11 +164,11 @@ def _attention(level, args, kwargs):
 
 @_register(F.cross_entropy)
 def _cross_entropy(level, args, kwargs):
-    x, target = args[0], _arg(args, kwargs, 1, "target")
+    x, target = args[0], arg(args, kwargs, 1, "target", None)
     extra = {n: kwargs.get(n) for n in ("weight", "size_average", "reduce")}
-    reduction = _arg(args, kwargs, 6, "reduction", "mean")
+    reduction = arg(args, kwargs, 6, "reduction", "mean")
     if (len(args) > 2 or any(v is not None for v in extra.values())
-            or _arg(args, kwargs, 7, "label_smoothing", 0.0) or level.sensitive_width is None
+            or arg(args, kwargs, 7, "label_smoothing", 0.0) or level.sensitive_width is None
             or not _activation(x, level) or x.dim() != 2 or not isinstance(target, torch.Tensor)
             or target.dim() != 1 or target.is_floating_point()
             or reduction not in ("mean", "sum")):
@@ -182,9 +179,9 @@ def _cross_entropy(level, args, kwargs):
 
 def _conv(dims: int) -> Handler:
     def handler(level, args, kwargs):
-        x, w = args[0], _arg(args, kwargs, 1, "weight")
-        b = _arg(args, kwargs, 2, "bias")
-        conf = [_arg(args, kwargs, 3 + i, name, default) for i, (name, default) in
+        x, w = args[0], arg(args, kwargs, 1, "weight", None)
+        b = arg(args, kwargs, 2, "bias", None)
+        conf = [arg(args, kwargs, 3 + i, name, default) for i, (name, default) in
                 enumerate((("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1)))]
         if (level.matmul_bits is None or not _activation(x, level) or isinstance(conf[1], str)
                 or not isinstance(w, torch.Tensor)):
@@ -205,7 +202,7 @@ _register(F.conv3d)(_conv(3))
 def _relu(level, args, kwargs):
     x = args[0]
     if (not level.masks or not _activation(x, level) or len(args) > 1
-            or _arg(args, kwargs, 1, "inplace", False)):
+            or arg(args, kwargs, 1, "inplace", False)):
         return None
     return MaskedReLU.apply(x)
 
@@ -213,11 +210,12 @@ def _relu(level, args, kwargs):
 @_register(F.batch_norm)
 def _batch_norm(level, args, kwargs):
     x = args[0]
-    mean, var = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
-    weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
-    training = _arg(args, kwargs, 5, "training", False)
-    momentum = _arg(args, kwargs, 6, "momentum", 0.1)
-    eps = _arg(args, kwargs, 7, "eps", 1e-5)
+    mean = arg(args, kwargs, 1, "running_mean", None)
+    var = arg(args, kwargs, 2, "running_var", None)
+    weight, bias = arg(args, kwargs, 3, "weight", None), arg(args, kwargs, 4, "bias", None)
+    training = arg(args, kwargs, 5, "training", False)
+    momentum = arg(args, kwargs, 6, "momentum", 0.1)
+    eps = arg(args, kwargs, 7, "eps", 1e-5)
     if (level.other_bits is None or not training or not _activation(x, level) or x.dim() < 2
             or momentum is None):
         return None

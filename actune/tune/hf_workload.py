@@ -158,11 +158,11 @@ def hf_workload(spec: str, class_name: str | None = None) -> Workload:
     cls = _model_class(config, class_name)
     batch, resolution = _batch_maker(config, cls)
 
+    make = getattr(cls, "from_config", cls)  # (an Auto class builds through from_config)
+
     def build_model(depth: float = 1.0, width: float = 1.0, resolution: int | None = None):
-        built = cls(_scaled(config, depth, width)) if cls.__name__.startswith("Auto") is False \
-            else cls.from_config(_scaled(config, depth, width))
-        built.train()
-        return built
+        # (resolution sizes the batch only)
+        return make(_scaled(config, depth, width)).train()
 
     name = getattr(config, "name_or_path", "") or Path(spec).stem or spec
     source = f"hf:{spec}" + (f"#{class_name}" if class_name else "")

@@ -439,8 +439,8 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
                                      base_level=row.base_level,
                                      note="torch.compile: speed only (docs/training.md)"),
                          level) for row, level in pending]
-        times = timed_rounds(workload, [(level, row.value, *((True,) if row.compiled else ()))
-                                        for row, level in pending], sizes,
+        times = timed_rounds(workload, [(level, row.value, True) if row.compiled
+                                        else (level, row.value) for row, level in pending], sizes,
                              settings.device, steps, warmup)
         base = next((t for (row, _), t in zip(pending, times, strict=True)
                      if row.level == "L0"), None)
