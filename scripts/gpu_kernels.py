@@ -1,13 +1,14 @@
 """The CUDA kernels against the CPU reference, byte for byte, then their throughput.
 
-    python scripts/gpu_kernels.py [--numel N] [--no-speed]
+    python scripts/gpu_kernels.py [--numel N] [--no-speed] [--quick]
 
 Part of scripts/gpu_check.sh. Every bit width, float32 and float64, a size that is a whole
 number of groups and one that is not, all four kernel options; the bytes and metadata must be
 identical to the CPU kernels'; several small tensors in one launch (quantize_many) identical
 to the CPU's one call. Then pack and unpack through actune.quantize / dequantize
 against torch clone of the same tensor (a bandwidth ceiling). With NUMBA_ENABLE_CUDASIM=1
-(and --numel small, --no-speed) the comparison runs in numba-cuda's simulator.
+(and --numel small, --no-speed) the comparison runs in numba-cuda's simulator; --quick there
+keeps float32 and the size with a tail group (12 cases: the simulator takes seconds a launch).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from actune_kernels import cuda as kcuda
 GROUP = layout.DEFAULT_GROUP_SIZE
 
 
-def compare(numel: int) -> bool:
-    """Pack and unpack on both devices; print and return whether all bytes agree."""
+def compare(numel: int, quick: bool = False) -> bool:
+    """Pack and unpack on both devices; print and return whether all bytes agree (``quick``:
+    float32 and the size with a tail group only)."""
     ok = True
     rng = np.random.default_rng(0)
-    for dtype in (np.float32, np.float64):
-        for n in (numel, numel + 77):
+    for dtype in (np.float32,) if quick else (np.float32, np.float64):
+        for n in (numel + 77,) if quick else (numel, numel + 77):
             x = rng.standard_normal(n).astype(dtype)
             x[::5] = np.maximum(x[::5], 0)
             g = layout.num_groups(n, GROUP)
@@ -130,8 +132,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=1 << 24)
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="float32 and one size (a tail group): for the simulator")
     args = ap.parse_args()
-    ok = compare(args.numel)
+    ok = compare(args.numel, args.quick)
     if not args.no_speed:  # (torch on a real GPU; the simulator runs the kernels alone)
         ok &= compare_many()
     print("all identical" if ok else "SOME DIFFER")
