@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import time
@@ -94,6 +95,13 @@ Shard = Annotated[str, typer.Option(help="With --world-size: fsdp (FSDP2 per blo
 ModeOpt = Annotated[str | None, typer.Option(
     help="estimate (fake tensors, no arithmetic; the default without a GPU) or measure.",
     show_default=False)]
+DeviceProfileOpt = Annotated[str | None, typer.Option(
+    "--device-profile", help="Estimate for this GPU kind without it (h100, h200, a100-80, "
+    "l4, ...; `actune info` lists them): its memory, CUDA's workspaces and the caching "
+    "allocator's rules. Default: the GPU found, if any.", show_default=False)]
+MarginOpt = Annotated[float | None, typer.Option(
+    "--margin", min=0, max=50, help="Percent of the budget kept free. Default: 5 in "
+    "estimates for a GPU, 0 otherwise.", show_default=False)]
 
 
 def _output_file(example: str):
@@ -214,10 +222,11 @@ def _data(work, resolution: int | None):
 def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
            mode: str | None, world_size: int = 1, shard: str = "fsdp",
            jobs: int | None = None, hf: str | None = None, hf_class: str | None = None,
-           precision: str | None = None):
+           precision: str | None = None, device_profile: str | None = None,
+           margin: float | None = None):
     import torch
 
-    from actune.memory import parse_budget, probe
+    from actune.memory import DeviceInfo, parse_budget, probe
     from actune.tune.alternatives import parse_configs
     from actune.tune.run import Settings
 
@@ -225,20 +234,51 @@ def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
     level_list = parse_configs(levels)
     info = probe()
     cuda = info.available and torch.cuda.is_available()
-    mode = mode or ("measure" if cuda else "estimate")
+    mode = mode or ("estimate" if device_profile or not cuda else "measure")
     if mode not in ("estimate", "measure"):
         raise _UsageError(f"--mode must be estimate or measure, not {mode!r}")
+    if device_profile and mode != "estimate":
+        raise _UsageError(f"--device-profile {device_profile} estimates for a GPU kind: use "
+                          f"--mode estimate (or leave --mode out)")
     from actune.tune.sharding import Sharding
 
     sharding = Sharding(shard, world_size) if world_size > 1 else None
     if sharding is not None and mode != "estimate":
         raise _UsageError(f"--world-size {world_size} gives per-rank estimates: use --mode "
                           f"estimate (or leave --mode out without a GPU)")
-    settings = Settings(parse_budget(budget, info), mode, "cuda" if cuda else "cpu",
-                        info.name if cuda else f"CPU ({platform.machine()})", sharding,
-                        jobs)
+    gpu = _gpu_model(device_profile, info if cuda else None) if mode == "estimate" else None
+    found = DeviceInfo(False) if device_profile else info  # (a profile: not the GPU here)
+    the_budget = parse_budget(budget, found, gpu.profile if gpu else None, world_size)
+    margin = (5.0 if gpu else 0.0) if margin is None else margin
+    if margin:
+        the_budget = type(the_budget)(int(the_budget.bytes * (1 - margin / 100)),
+                                      f"{the_budget.source}, less a {margin:g}% margin")
+    if gpu is not None:  # the allocator may reserve up to the budget, then frees its cache
+        gpu = dataclasses.replace(gpu, capacity=the_budget.bytes)
+    name = (f"{gpu.profile.title} (profile {gpu.profile.name})" if device_profile else
+            info.name if cuda else f"CPU ({platform.machine()})")
+    settings = Settings(the_budget, mode, "cuda" if cuda else "cpu", name, sharding, jobs,
+                        gpu, margin / 100)
     workload.check()
     return workload, level_list, settings
+
+
+def _gpu_model(name: str | None, found):
+    """The GPU model an estimate predicts with: the profile named, else the GPU found (its
+    profile, or one made from what CUDA reports), else none."""
+    from actune.memory.gpu_model import GpuModel
+    from actune.memory.gpu_profiles import DeviceProfile, find_profile, profile_for
+
+    if name:
+        profile = find_profile(name)
+    elif found is not None:
+        import torch
+
+        profile = profile_for(found.name) or DeviceProfile(
+            "found", found.name, found.total, torch.cuda.get_device_capability(), 512 * 2**20)
+    else:
+        return None
+    return GpuModel.for_profile(profile)
 
 
 def _progress(quiet: bool):
@@ -338,6 +378,8 @@ def maxbatch(
     levels: Levels = "L0-L5",
     budget: BudgetOpt = None,
     mode: ModeOpt = None,
+    device_profile: DeviceProfileOpt = None,
+    margin: MarginOpt = None,
     resolution: Resolution = None,
     multiple_of: Annotated[int, typer.Option(min=1, help="Round batches to this.")] = 1,
     max_batch: Annotated[int | None, typer.Option("--max", min=1, help="Largest batch to "
@@ -358,7 +400,7 @@ def maxbatch(
             _require_matplotlib()
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
                                                 world_size, shard, jobs, hf, hf_class,
-                                                precision)
+                                                precision, device_profile, margin)
         sizes = {"resolution": resolution} if resolution else {}
         t0 = time.perf_counter()
         report = _run_job(run.maxbatch, level_list, quiet, json_path, workload=workload,
@@ -382,6 +424,8 @@ def scale(
     levels: Levels = "L0-L5",
     budget: BudgetOpt = None,
     mode: ModeOpt = None,
+    device_profile: DeviceProfileOpt = None,
+    margin: MarginOpt = None,
     multiple_of: Annotated[int | None, typer.Option(
         min=1, help="Step of the search in units of the dimension (1/8 of the default depth "
         "or width; pixels for resolution, default 8).", show_default=False)] = None,
@@ -401,7 +445,7 @@ def scale(
     with _errors(debug):
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
                                                 world_size, shard, jobs, hf, hf_class,
-                                                precision)
+                                                precision, device_profile, margin)
         workload.require(dim)
         _run_job(run.scale, level_list, quiet, json_path, workload=workload,
                  settings=settings, dim=dim, batch=batch,
@@ -427,6 +471,8 @@ def bench(
         "rounds (speed only; compiling happens in the warm-up steps).")] = False,
     budget: BudgetOpt = None,
     mode: ModeOpt = None,
+    device_profile: DeviceProfileOpt = None,
+    margin: MarginOpt = None,
     plot: PlotOpt = None,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
@@ -441,7 +487,8 @@ def bench(
         if compile_ and at_max:
             raise _UsageError("--compile times every level at one batch: drop --at-max")
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode, hf=hf,
-                                                hf_class=hf_class, precision=precision)
+                                                hf_class=hf_class, precision=precision,
+                                                device_profile=device_profile, margin=margin)
         if resolution is None and model_file is None and hf is None:
             resolution = BENCH_BUILTIN_RESOLUTION
         sizes = {"resolution": resolution} if resolution and "resolution" in workload.dims \
@@ -718,6 +765,7 @@ def info(debug: Debug = False) -> None:
     from actune import __version__
     from actune.levels import LEVELS
     from actune.memory import parse_budget, probe
+    from actune.memory.gpu_profiles import PROFILES
     from actune.report import human_bytes
 
     with _errors(debug):
@@ -738,6 +786,8 @@ def info(debug: Debug = False) -> None:
         table.add_row("CUDA kernels", "numba-cuda, on torch's current stream"
                       if torch.cuda.is_available() else "not in use (torch sees no CUDA "
                       "device; CPU kernels run instead)")
+        table.add_row("device profiles", "; ".join(
+            f"{p.name}: {p.describe()}" for p in PROFILES.values()) + " (--device-profile)")
         table.add_row("actune", __version__)
         table.add_row("torch", f"{torch.__version__}")
         table.add_row("python", platform.python_version())

@@ -54,6 +54,9 @@ class LevelResult:
     checkpoint: bool = False  # activation checkpointing around each block
     offload: bool = False  # every saved tensor (or the level's packed ones) in host memory
     compiled: bool = False  # bench --compile: the same level's step under torch.compile
+    # a GPU's reserved peak (max_memory_reserved): predicted by a device profile's allocator
+    # model in an estimate, measured on a GPU; None where not known
+    reserved_bytes: int | None = None
 
     @property
     def compression(self) -> float | None:
@@ -85,6 +88,10 @@ class Report:
     answer: dict | None = None
     #: the step's precision (Lightning's names): ratios are against its own L0
     precision: str = "32-true"
+    #: the GPU kind an estimate predicted for (``--device-profile`` or the GPU found), "" none
+    device_profile: str = ""
+    #: the share of the budget kept free (``--margin``): ``budget_bytes`` is what is left
+    margin: float = 0.0
 
     def choose_best(self) -> None:
         """Name the fastest level whose batch fits (``bench --at-max``)."""
@@ -160,7 +167,12 @@ def _fmt_value(dim: str, value: float | None) -> str:
 
 #: Printed under estimated results: what an estimate leaves out (docs/tuning.md).
 ESTIMATE_CAVEAT = ("estimate: tensors only; workspaces operators allocate inside (cuDNN, "
-                   "oneDNN) come on top: confirm a GPU answer with --mode measure")
+                   "oneDNN) come on top: for a GPU give --device-profile, or confirm with "
+                   "--mode measure")
+#: Printed under estimates for a GPU kind (the allocator model): what it rests on.
+GPU_MODEL_CAVEAT = ("estimate for {profile}: tensors, cuBLAS workspaces and op temporaries "
+                    "through the CUDA caching allocator's rules; fits = reserved peak within "
+                    "the budget (docs/tuning.md, \"On which GPU\")")
 #: Printed under results measured on the CPU, where the tracker sees tensors only.
 CPU_MEASURE_CAVEAT = ("measured on the CPU: tensors only; oneDNN's internal copies come on "
                       "top (docs/tuning.md)")
@@ -177,10 +189,12 @@ def render(report: Report, console: Console) -> None:
         title += ", " + ", ".join(f"{k} {v}" for k, v in report.fixed.items())
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)  # (a title would wrap to its width)
     show_host = report.command != "bench" and any(r.host_bytes for r in report.levels)
+    show_reserved = any(r.reserved_bytes for r in report.levels)
     label = "max batch" if report.dim == "batch" else f"max {report.dim}"
-    cols = (("batch", "samples/s", "vs L0", "peak", "saved", "ratio")
+    peak_cols = ("peak", "reserved") if show_reserved else ("peak",)
+    cols = (("batch", "samples/s", "vs L0", *peak_cols, "saved", "ratio")
             if report.command == "bench" else
-            (label, "vs L0", "peak", "saved", "ratio") + (("host",) if show_host else ()))
+            (label, "vs L0", *peak_cols, "saved", "ratio") + (("host",) if show_host else ()))
     table.add_column("level", no_wrap=True)
     for col in cols:
         table.add_column(col, justify="right", no_wrap=True)
@@ -190,12 +204,13 @@ def render(report: Report, console: Console) -> None:
         saved = human_bytes(r.activation_bytes)
         compression = f"{r.compression:.1f}x" if r.compression else "-"
         value = _fmt_value(report.dim, r.value) if r.complete or r.value else "-"
+        peaks = (human_bytes(r.peak_bytes),) + ((human_bytes(r.reserved_bytes),)
+                                                if show_reserved else ())
         if report.command == "bench":
             sps = f"{r.samples_per_s:,.1f}" if r.samples_per_s else "-"
-            row = (_fmt_value("batch", r.value), sps, ratio, human_bytes(r.peak_bytes), saved,
-                   compression)
+            row = (_fmt_value("batch", r.value), sps, ratio, *peaks, saved, compression)
         else:
-            row = (value, ratio, human_bytes(r.peak_bytes), saved, compression)
+            row = (value, ratio, *peaks, saved, compression)
             if show_host:
                 row += (human_bytes(r.host_bytes) if r.host_bytes else "-",)
         note = "; ".join(n for n in (r.note, "" if r.complete else "interrupted",
@@ -220,7 +235,16 @@ def render(report: Report, console: Console) -> None:
                                               for where, levels in places.items()))
     lines += [f"{r.level} {describe_exact(r.kept_exact)}" for r in report.levels
               if sum(r.kept_exact.values()) >= 2**20]  # (under 1 MiB: not worth a line)
-    if report.mode == "estimate":  # what the figures leave out
+    if report.mode == "estimate" and report.device_profile:  # what the figures rest on
+        lines.append(GPU_MODEL_CAVEAT.format(profile=report.device_profile))
+        split = [r for r in report.levels
+                 if r.reserved_bytes and r.peak_bytes and r.reserved_bytes > 1.15 * r.peak_bytes]
+        if split:  # what a user can do about it
+            worst = max(split, key=lambda r: r.reserved_bytes / r.peak_bytes)
+            lines.append(f"{worst.level} reserves {worst.reserved_bytes / worst.peak_bytes:.2f}x "
+                         f"what it allocates (fragmentation): PYTORCH_CUDA_ALLOC_CONF="
+                         f"expandable_segments:True usually recovers most of it")
+    elif report.mode == "estimate":  # what the figures leave out
         lines.append(ESTIMATE_CAVEAT)
     elif report.device.startswith("CPU"):
         lines.append(CPU_MEASURE_CAVEAT)

@@ -7,7 +7,9 @@
 # 2. the CUDA kernels against the CPU reference, byte for byte, on large tensors, their
 #    throughput against torch clone on the GPU, and the host time per launch;
 # 3. where a compressed step's time goes (scripts/gpu_profile.py: host vs GPU time, syncs);
-# 4. estimated against measured peak per level (ResNet-50, batch 64, 224x224);
+# 4. the GPU memory model against the GPU: predicted and measured allocated and reserved
+#    peaks, ResNet-50 (batch 64) and GPT-2 small (4 x 512) at L0 and L3, with the
+#    allocator's own traces (memory_*.pickle) for a diff by allocation (scripts/gpu_memory.py);
 # 5. bench L0-L5 on ResNet-50 (batch 64, 224x224);
 # 6. L3 and L0 each at its own max batch on ResNet-50 under 8 GiB (to fit the time) (bench --at-max --mode
 #    measure: real OOMs in subprocess probes, then samples/s at each level's max batch);
@@ -59,33 +61,12 @@ kernels() {
     "$PY" scripts/gpu_kernels.py
 }
 
-estimate_vs_measured() {
-    "$PY" - <<'PY'
-import json
-from actune.levels import LEVELS
-from actune.tune.probe import Trial
-from actune.tune.workload import builtin
-wl = builtin("resnet50")
-rows = []
-for name, level in LEVELS.items():
-    est = Trial(wl, level, {}, "estimate", "cpu", 512).meter.peak(64)
-    real = Trial(wl, level, {}, "measure", "cuda").peak(64)  # a fresh process per level
-    seen = real.parameters + real.gradients + real.optimizer + real.activations + real.temporaries
-    rows.append({"level": name, "estimate": est.total, "host": est.host,
-                 "measured": real.total, "untracked": real.total - seen})
-    print(f"{name}: estimate {est.total / 2**20:,.0f} MiB (+{est.host / 2**20:,.0f} MiB host), "
-          f"measured {real.total / 2**20:,.0f} MiB (of which {(real.total - seen) / 2**20:,.0f} "
-          f"MiB in no tensor the tracker saw), estimate/measured {est.total / real.total:.3f}")
-print(json.dumps(rows))
-PY
-}
-
-export -f actune env_report kernels estimate_vs_measured
+export -f actune env_report kernels
 export PY
 section environment 30 env_report
 section kernels 60 kernels
 section profile 40 "$PY" scripts/gpu_profile.py
-section estimate_vs_measured 70 estimate_vs_measured
+section memory_model 100 "$PY" scripts/gpu_memory.py --out "$out"
 section bench 100 actune bench --model resnet50 --resolution 224 --batch 64 --levels L0-L5 \
     --steps 5 --warmup 2 --json "$out/bench.json"
 section at_max 110 actune bench --model resnet50 --resolution 224 --levels L3,L0 --at-max \

@@ -33,6 +33,14 @@ def test_gpu_profile_runs_on_the_cpu():
     assert "pack" in done.stdout  # the busiest host functions include the packing
 
 
+def test_gpu_memory_model_check_predicts_on_the_cpu(tmp_path):
+    done = _run(["scripts/gpu_memory.py", "--device", "cpu", "--profile", "h200", "--cases",
+                 "1", "--levels", "L0,L3", "--out", str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [ln for ln in done.stdout.splitlines() if "predicted allocated" in ln]
+    assert len(lines) == 2 and all("measured: no GPU here" in ln for ln in lines)
+
+
 def test_gpu_check_driver_parses():
     done = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")],
                           capture_output=True, text=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from actune.memory.gpu_profiles import DeviceProfile
 from actune.memory.nvml import DeviceInfo
 
 #: Kept free on a GPU for the CUDA context, cuBLAS/cuDNN workspaces and allocator slack.
@@ -25,11 +26,16 @@ class Budget:
     source: str
 
 
-def parse_budget(text: str | None, device: DeviceInfo) -> Budget:
-    """The budget for ``text`` (None: the default for ``device``).
+def parse_budget(text: str | None, device: DeviceInfo, profile: DeviceProfile | None = None,
+                 world_size: int = 1) -> Budget:
+    """The budget for ``text`` (None: the default for ``device``, or for ``profile``: its
+    memory less the CUDA context and, for several ranks, NCCL's buffers; percentages are of
+    the profile's memory).
 
     Raises ``ValueError`` with what to write instead for unreadable text.
     """
+    if profile is not None and (text is None or text.strip().endswith("%")):
+        return _profile_budget(text, profile, world_size, device)
     if text is None:
         if device.available:
             return Budget(max(device.free - GPU_RESERVE, 0),
@@ -54,3 +60,20 @@ def parse_budget(text: str | None, device: DeviceInfo) -> Budget:
     if value <= 0:
         raise ValueError(f"budget {text!r} must be more than 0 bytes")
     return Budget(value, "given with --budget")
+
+
+def _profile_budget(text: str | None, profile: DeviceProfile, world_size: int,
+                    device: DeviceInfo) -> Budget:
+    """A GPU kind's budget: what it has (NVML's free memory on the GPU at hand, else the
+    profile's total) less what CUDA takes outside PyTorch's allocator."""
+    extra = profile.context + profile.nccl_bytes(world_size)
+    what = "CUDA context" + (" and NCCL buffers" if world_size > 1 else "")
+    here = device.available
+    usable = max((device.free if here else profile.memory) - extra, 0)
+    if text is None:
+        has = (f"NVML free memory of {device.name}" if here
+               else f"{profile.name} profile: {profile.memory / 2**30:.1f} GiB")
+        return Budget(usable, f"{has} less {extra / 2**30:.2f} GiB of {what}")
+    share = parse_budget(text, DeviceInfo(True, profile.title, usable, usable)).bytes / usable
+    return Budget(int(usable * share), f"{share:.0%} of the {profile.name} profile's "
+                                       f"{usable / 2**30:.1f} GiB after its {what}")

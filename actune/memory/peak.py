@@ -15,6 +15,7 @@ estimate their packed buffers are placed on the ``meta`` device to keep them apa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from actune.hooks import CompressionStats
+from actune.memory.gpu_model import GpuModel
+from actune.memory.trace import TraceRecorder
 from actune.saved import simulated_offload
 
 
@@ -49,9 +52,16 @@ class Peak:
     # what stayed exact although compressed levels could pack it: bytes by the op that saved
     # it ("small tensors": those under the level's min_numel)
     kept_exact: dict = field(default_factory=dict)
+    # a GPU's reserved peak (predicted by the GPU model, or measured); 0 where not known
+    reserved: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def fit_bytes(self) -> int:
+        """What must fit the budget: the reserved peak where known, else the allocated."""
+        return max(self.total, self.reserved)
 
 
 class _PeakTracker(MemTracker):
@@ -72,6 +82,12 @@ class _PeakTracker(MemTracker):
         # module name -> (when it last began, forward or backward; its class's name)
         self._entered: dict[str, tuple[int, str]] = {}
         self._clock = 0
+        self.recorder: TraceRecorder | None = None  # set to record the GPU model's trace
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        if self.recorder is not None:
+            self.recorder.on_update(u_type, winfo)
 
     # MemTracker's module hooks copy a whole snapshot, and size each module's inputs and
     # outputs, four times per module and step, for per-module figures this class does not
@@ -105,6 +121,15 @@ class _PeakTracker(MemTracker):
     # before the next operation, i.e. only where a plain run would have allocated it too.
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.recorder is None:
+            return self._dispatch(func, types, args, kwargs)
+        self.recorder.before_op(func, args)
+        try:
+            return self._dispatch(func, types, args, kwargs)
+        finally:
+            self.recorder.after_op()
+
+    def _dispatch(self, func, types, args, kwargs):
         self._judge_sum()
         if func is _DEVICE:  # fake tensors' device queries (the autograd engine's, 40% of an
             return func(*args)  # estimate's operations) allocate nothing: no bookkeeping
@@ -115,11 +140,25 @@ class _PeakTracker(MemTracker):
         if (func is torch.ops.aten.add.Tensor and not kwargs and self._mod_tracker.is_bw
                 and not self._in_opt and _is_gradient_sum(args)):
             self._summing = args[:2]
+            if self.recorder is not None:
+                self.recorder.sum_started()
             try:
-                return super().__torch_dispatch__(func, types, args, kwargs)
+                out = super().__torch_dispatch__(func, types, args, kwargs)
             finally:
                 self._summing = None
+            if self.recorder is not None:
+                self._record_sum(args[:2], out)
+            return out
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _record_sum(self, operands, out) -> None:
+        """Tell the recorder which storages a gradient sum read and wrote (by their records)."""
+        def record_id(t):
+            found = self._WINFO.get(t.untyped_storage())
+            return id(found[0]) if found else None
+
+        self.recorder.sum_finished([StorageWeakRef(a.untyped_storage()) for a in operands],
+                                   [record_id(a) for a in operands], record_id(out))
 
     def _tracked(self, out) -> bool:
         """Are the storages of ``out`` (a tensor or a sequence of them) all counted already?"""
@@ -129,6 +168,8 @@ class _PeakTracker(MemTracker):
 
     def __exit__(self, *args):
         self._judge_sum()
+        if self.recorder is not None:
+            self.recorder.judge_sum()
         return super().__exit__(*args)
 
     def _judge_sum(self) -> None:
@@ -217,11 +258,14 @@ class StepMeter:
 
     def __init__(self, build: BuildModel, step: Step, mode: str = "estimate",
                  device: str = "cpu", round_to: int | None = None,
-                 warmup_batch: int = 2, warm_optimizer_only: bool = False) -> None:
+                 warmup_batch: int = 2, warm_optimizer_only: bool = False,
+                 gpu: GpuModel | None = None) -> None:
         if mode not in ("estimate", "measure"):
             raise ValueError(f"mode must be 'estimate' or 'measure', not {mode!r}")
         self.build, self.step, self.mode, self.device = build, step, mode, device
         self.round_to, self.warmup_batch = round_to, warmup_batch
+        # an estimate for a GPU: the step's trace replayed through its allocator
+        self.gpu = gpu if mode == "estimate" else None
         self.warm_optimizer_only = warm_optimizer_only and mode == "estimate"
         self.fake = FakeTensorMode() if mode == "estimate" else None
         self.model = self.opt = None
@@ -246,15 +290,25 @@ class StepMeter:
                 self._warm()
                 stats: list[CompressionStats] = []
                 tracker = _PeakTracker()
+                if self.gpu is not None:  # (before: tracking records what exists already)
+                    tracker.recorder = TraceRecorder()
                 tracker.track_external(self.model, self.opt)
                 with rounding, tracker:
-                    self.step(self.model, self.opt, batch, stats.append)
+                    if tracker.recorder is not None:
+                        tracker.recorder.start_step()
+                    try:
+                        self.step(self.model, self.opt, batch, stats.append)
+                    finally:
+                        if tracker.recorder is not None:
+                            tracker.recorder.end_step()
                 snap = tracker.get_tracker_snapshot("peak")
             host = sum(v.get(mem_tracker._TOTAL_KEY, 0) for d, v in snap.items()
                        if d.type == "meta")
             dev = [(d, v) for d, v in snap.items() if d.type != "meta"]
             result = _peak(dev[0][1] if dev else {}, stats, host,
                            tracker.where.get(dev[0][0], "") if dev else "")
+            if tracker.recorder is not None:
+                result = _on_gpu(result, self.gpu, tracker.recorder.trace, batch)
         self._cache[batch] = result
         return result
 
@@ -271,6 +325,17 @@ class StepMeter:
                 _step_optimizer(self.model, self.opt)
             else:
                 self.step(self.model, self.opt, self.warmup_batch, lambda _s: None)
+
+
+def _on_gpu(peak: Peak, gpu: GpuModel, trace, batch: int) -> Peak:
+    """The tracked peak with the GPU model's allocated and reserved peaks in place of the
+    sum of tensors; raises ``torch.OutOfMemoryError`` where the replay runs out."""
+    predicted = gpu.predict(trace)
+    if predicted.out_of_memory:
+        raise torch.OutOfMemoryError(
+            f"simulated {gpu.profile.name} allocator: batch {batch} ran out of memory "
+            f"(capacity {gpu.capacity:,} bytes)")
+    return dataclasses.replace(peak, total=predicted.allocated, reserved=predicted.reserved)
 
 
 def _default_device(device: str):
@@ -307,10 +372,11 @@ def _measure_cuda(meter: StepMeter, batch: int) -> Peak:  # pragma: no cover - n
             meter.step(meter.model, meter.opt, batch, stats.append)
         torch.cuda.synchronize(device)
         total = torch.cuda.max_memory_allocated(device)
+        reserved = torch.cuda.max_memory_reserved(device)
     snap = tracker.get_tracker_snapshot("peak")
     cuda = next((d for d in snap if d.type == "cuda"), None)
     peak = _peak(snap.get(cuda, {}), stats, 0, tracker.where.get(cuda, ""))
-    return Peak(**{**peak.as_dict(), "total": total})
+    return Peak(**{**peak.as_dict(), "total": total, "reserved": reserved})
 
 
 def _peak(parts: dict, stats: list[CompressionStats], host: int, where: str = "") -> Peak:

@@ -20,6 +20,8 @@ import torch
 
 import actune
 from actune.memory import Peak, StepMeter
+from actune.memory.gpu_model import GpuModel
+from actune.memory.trace import note_empty_cache
 from actune.tune.alternatives import Config, apply_checkpointing, get_config, repeated_blocks
 from actune.tune.oom import is_oom
 from actune.tune.search import Probe
@@ -48,6 +50,7 @@ class Trial:
     device: str = "cpu"
     round_to: int | None = None
     sharding: Sharding | None = None  # per rank of a data-parallel run (sharding.py)
+    gpu: GpuModel | None = None  # an estimate for this GPU kind (memory/gpu_model.py)
 
     def __post_init__(self) -> None:  # a Level (or its name) stands for itself alone
         object.__setattr__(self, "config", get_config(self.config))
@@ -71,6 +74,8 @@ class Trial:
             opt.zero_grad(set_to_none=True)
             with actune.compressed(config.run_level, stats=sink), config.saving(device):
                 loss = wl.step_loss(model, inputs, targets)
+            if config.level.defrag:  # (a real CUDA step empties the cache there)
+                note_empty_cache()
             loss.backward()
             opt.step()
 
@@ -81,7 +86,7 @@ class Trial:
         """The meter of this trial's steps: the model is built and warmed up once, and in an
         estimate shared with every trial that builds the same model (:func:`_shared_key`)."""
         meter = StepMeter(*self._parts(), self.mode, self.device, self.round_to,
-                          warm_optimizer_only=self.sharding is None)
+                          warm_optimizer_only=self.sharding is None, gpu=self.gpu)
         key = _shared_key(self)
         if key is None:
             return meter
@@ -116,7 +121,7 @@ class Trial:
             if is_oom(err) or (isinstance(err, ProbeError) and "out of memory" in str(err)):
                 return Probe(batch, False, None)
             raise
-        return Probe(batch, peak.total <= budget, peak.total,
+        return Probe(batch, peak.fit_bytes <= budget, peak.fit_bytes,
                      peak.parameters + peak.gradients + peak.optimizer, peak.saved)
 
 
@@ -180,12 +185,17 @@ def _main(argv: list[str]) -> int:  # pragma: no cover - runs in the isolated su
     workload.precision = spec.get("precision", "32-true")
     trial = Trial(workload, Config.from_json(spec["config"]), spec["sizes"], "measure",
                   spec["device"])
+    history = os.environ.get("ACTUNE_MEMORY_HISTORY")  # a path: the allocator's own trace
+    if history:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     try:
         peak = StepMeter(*trial._parts(), "measure", spec["device"]).peak(spec["batch"])
     except Exception as err:
         if is_oom(err):
             return 3
         raise
+    if history:
+        torch.cuda.memory._dump_snapshot(history)
     print(json.dumps(peak.as_dict()))
     return 0
 

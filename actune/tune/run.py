@@ -20,6 +20,7 @@ import torch
 
 import actune
 from actune.memory import Budget
+from actune.memory.gpu_model import GpuModel
 from actune.precision import scaler as precision_scaler
 from actune.report import LevelResult, Report
 from actune.tune.alternatives import Config, get_config
@@ -45,6 +46,8 @@ class Settings:
     device_name: str = "CPU"
     sharding: Sharding | None = None  # per rank of a data-parallel run
     jobs: int | None = None  # searches side by side (None: one per core); estimates only
+    gpu: GpuModel | None = None  # an estimate for this GPU kind (its allocator, workspaces)
+    margin: float = 0.0  # the share of the budget kept free (already taken off ``budget``)
 
     def workers(self, searches: int) -> int:
         """How many searches run side by side: estimates of one device only (real steps
@@ -56,11 +59,17 @@ class Settings:
 
     def trial(self, workload: Workload, config, sizes: dict) -> Trial:
         return Trial(workload, config, sizes, self.mode, self.device, self.round_to,
-                     self.sharding)
+                     self.sharding, self.gpu if self.mode == "estimate" else None)
 
     @property
     def fixed(self) -> dict:
         return self.sharding.describe() if self.sharding else {}
+
+    @property
+    def report_fields(self) -> dict:
+        """What a report says of where its estimates point (the GPU kind, the margin)."""
+        profile = self.gpu.profile.name if self.gpu and self.mode == "estimate" else ""
+        return {"device_profile": profile, "margin": self.margin}
 
     @property
     def search_budget(self) -> int:
@@ -108,6 +117,7 @@ def _fill_at(row: LevelResult, peak_of: Callable[[], object], config: Config) ->
 def _fill(row: LevelResult, peak, config: Config) -> None:
     """Copy a peak's figures into a report row."""
     row.peak_bytes, row.host_bytes = peak.total, peak.host
+    row.reserved_bytes = peak.reserved or None
     if not (config.offload and config.level.exact):  # save_on_cpu's hooks replace actune's:
         row.activation_bytes = peak.saved  # what they hold is counted as host bytes only
         row.uncompressed_activation_bytes = peak.saved_uncompressed
@@ -139,7 +149,8 @@ def maxbatch(workload: Workload, levels: list, settings: Settings, *,
     sizes = sizes or {}
     report = Report("maxbatch", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch",
-                    {**sizes, **settings.fixed}, precision=workload.precision)
+                    {**sizes, **settings.fixed}, precision=workload.precision,
+                    **settings.report_fields)
     _each_level(report, levels, settings, on_level, on_probe,
                 lambda level, probed: _maxbatch_level(workload, level, settings, sizes, start,
                                                       multiple_of, maximum, probed),
@@ -158,8 +169,9 @@ def _each_level(report: Report, levels: list, settings: Settings, on_level: Call
     searches share, built before they are forked off. The fake process group of a sharded job
     ends with it."""
     configs = [get_config(lv) for lv in levels]
+    gpu = settings.gpu is not None
     twins = {i for i, c in enumerate(configs) if settings.mode == "estimate" and any(
-        _estimated_as(e) == _estimated_as(c) for e in configs[:i])}
+        _estimated_as(e, gpu) == _estimated_as(c, gpu) for e in configs[:i])}
     searched = [i for i in range(len(configs)) if i not in twins]
     workers = settings.workers(len(searched))
     rows: dict[int, LevelResult] = {}
@@ -199,11 +211,13 @@ def _search_cost(config: Config) -> int:
             + config.offloads + 2 * config.checkpoint)
 
 
-def _estimated_as(config: Config) -> Config:
+def _estimated_as(config: Config, gpu: bool = False) -> Config:
     """What an estimate runs ``config`` as, names apart: the CUDA allocator settings
-    (``defrag``, L5) do not change a tracked step, so L5 is estimated as L4."""
-    return dataclasses.replace(config, level=config.level.with_(name="", description="",
-                                                                defrag=False))
+    (``defrag``, L5) do not change a tracked step, so L5 is estimated as L4, except by a GPU
+    model (which empties the allocator's cache where L5 does)."""
+    level = config.level.with_(name="", description="",
+                               defrag=config.level.defrag and gpu)
+    return dataclasses.replace(config, level=level)
 
 
 def _same_as_before(done: list[tuple[Config, LevelResult]], config: Config,
@@ -212,9 +226,10 @@ def _same_as_before(done: list[tuple[Config, LevelResult]], config: Config,
     its row under its own name, with no trials of its own (none is repeated)."""
     if settings.mode != "estimate":
         return None
-    twin = _estimated_as(config)
-    earlier = next(((c, row) for c, row in done if _estimated_as(c) == twin and row.complete),
-                   None)
+    gpu = settings.gpu is not None
+    twin = _estimated_as(config, gpu)
+    earlier = next(((c, row) for c, row in done
+                    if _estimated_as(c, gpu) == twin and row.complete), None)
     if earlier is None:
         return None
     note = "; ".join(n for n in (_note(config, settings), f"estimated as {earlier[0].name}")
@@ -264,7 +279,8 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
                          f"give a larger --max")
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, dim,
-                    {"batch": batch, **settings.fixed}, precision=workload.precision)
+                    {"batch": batch, **settings.fixed}, precision=workload.precision,
+                    **settings.report_fields)
 
     def ceiling(row: LevelResult) -> None:  # the first level with an answer sets it
         if dim in ("depth", "width") and row.value and report.ceiling is None:
@@ -404,7 +420,7 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
     sizes = sizes or {}
     report = Report("bench", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch", dict(sizes),
-                    precision=workload.precision)
+                    precision=workload.precision, **settings.report_fields)
     if batch and levels:  # one untimed step first: thread pools, allocator and kernels warm up
         throughput(workload, levels[-1], batch, sizes, settings.device, steps=1, warmup=1)
     levels = [get_config(lv) for lv in levels]
