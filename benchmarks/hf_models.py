@@ -16,8 +16,12 @@ default attention (SDPA) unless eager is asked for, AdamW.
    (docs/examples/hf_gpt2.py, hf_llama.py): activation bytes per level at batch 1, and
    ``maxbatch`` under 16 GiB per level, as ``actune maxbatch FILE --budget 16GiB`` answers.
 3. **speed**: samples/s of the small GPT-2 at L3 against L0, real CPU steps, alternated.
+4. **families** (``--sections families``): the heap growth of section 1 for one small config
+   of each family actune has rules for (GPT-2, Llama, Qwen2, BERT, Bloom, T5 with its learned
+   relative position bias; SDPA where the family has it), under ``compressed(level)`` and
+   under ``compress(model, level)``, against the target L0/L3 >= 10x.
 
-    python benchmarks/hf_models.py [--sections small,full,speed] [--skip-maxbatch]
+    python benchmarks/hf_models.py [--sections small,full,speed,families] [--skip-maxbatch]
 """
 
 from __future__ import annotations
@@ -66,13 +70,15 @@ def small(kind: str, attention: str):
     return cls(config)
 
 
-def kept_after_forward(model, ids: torch.Tensor, level: str) -> int:
-    """Bytes of live activations at the end of a forward pass (its graph kept)."""
-    with actune.compressed(level):
+def kept_after_forward(model, ids: torch.Tensor, level: str, form: str = "compressed") -> int:
+    """Bytes of live activations at the end of a forward pass (its graph kept), the step run
+    inside ``compressed(level)`` or by a model ``compress()`` converted."""
+    scope = actune.compressed(level) if form == "compressed" else contextlib.nullcontext()
+    with scope:
         model(input_ids=ids, labels=ids).loss.backward()  # warm-up: lazily made state
     tracker = MemTracker()
     with tracker:
-        with actune.compressed(level):
+        with actune.compressed(level) if form == "compressed" else contextlib.nullcontext():
             loss = model(input_ids=ids, labels=ids).loss
         snap = tracker.get_tracker_snapshot("current")
     loss.backward()
@@ -92,6 +98,52 @@ def section_small(console: Console) -> None:
             kept = {lv: kept_after_forward(model, ids, lv) for lv in LEVELS}
             table.add_row(kind, attention, *(f"{kept[lv] / MiB:.1f}" for lv in LEVELS),
                           f"{kept['L0'] / kept['L2']:.1f}x", f"{kept['L0'] / kept['L3']:.1f}x")
+    console.print(table)
+
+
+def family(kind: str):
+    """One small config of a family (4 layers or 2+2, 256 wide, vocabulary 8,000)."""
+    torch.manual_seed(0)
+    t = transformers
+    common = {"vocab_size": 8000, "pad_token_id": 0}
+    configs = {
+        "gpt2": (t.GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128,
+                              bos_token_id=0, eos_token_id=0, vocab_size=8000),
+                 t.GPT2LMHeadModel),
+        "llama": (t.LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
+                                num_attention_heads=4, num_key_value_heads=2, **common),
+                  t.LlamaForCausalLM),
+        "qwen2": (t.Qwen2Config(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
+                                num_attention_heads=4, num_key_value_heads=2, **common),
+                  t.Qwen2ForCausalLM),
+        "bert": (t.BertConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=1024,
+                              num_attention_heads=4, **common), t.BertForMaskedLM),
+        "bloom": (t.BloomConfig(n_layer=4, hidden_size=256, n_head=4, **common),
+                  t.BloomForCausalLM),
+        "t5": (t.T5Config(d_model=256, d_kv=64, d_ff=1024, num_layers=2, num_decoder_layers=2,
+                          num_heads=4, decoder_start_token_id=0, **common),
+               t.T5ForConditionalGeneration),
+    }
+    config, cls = configs[kind]
+    return cls(config)
+
+
+FAMILIES = ("gpt2", "llama", "qwen2", "bert", "bloom", "t5")
+
+
+def section_families(console: Console) -> None:
+    table = Table(title="every family, small configs (4 layers or 2+2, 256 wide, vocabulary "
+                        "8,000, batch 4 x 128): activations live at the end of forward")
+    for col in ("family", "L0 MiB", "compressed() L3", "L0/L3", "compress() L3", "L0/L3"):
+        table.add_column(col, justify="right")
+    ids = torch.randint(1, 8000, (4, 128), generator=torch.Generator().manual_seed(0))
+    for kind in FAMILIES:
+        l0 = kept_after_forward(family(kind), ids, "L0")
+        inside = kept_after_forward(family(kind), ids, "L3")
+        converted = kept_after_forward(actune.compress(family(kind), "L3"), ids, "L3",
+                                       form="compress")
+        table.add_row(kind, f"{l0 / MiB:.1f}", f"{inside / MiB:.2f}", f"{l0 / inside:.1f}x",
+                      f"{converted / MiB:.2f}", f"{l0 / converted:.1f}x")
     console.print(table)
 
 
@@ -184,6 +236,8 @@ def main() -> None:
             section_full(console, not args.skip_maxbatch)
         if "speed" in sections:
             section_speed(console, args.steps)
+        if "families" in sections:
+            section_families(console)
 
 
 if __name__ == "__main__":
