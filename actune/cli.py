@@ -539,6 +539,9 @@ def train(
     per_sample: PerSample = True,
     device: Annotated[str | None, typer.Option(help="cpu or cuda. Default: cuda when torch "
                                                "sees a GPU.", show_default=False)] = None,
+    compile_: Annotated[bool, typer.Option(
+        "--compile", help="Also train each level with its forward under torch.compile, in a "
+        "column of its own (the first epoch's seconds include compiling).")] = False,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -559,24 +562,27 @@ def train(
         work = _workload(model_file, model, hf, hf_class, precision)
         level_list = parse_levels(levels)
         data, sizes = _data(work, resolution)
-        steps = -(-len(data.x_train) // batch) * epochs * len(level_list)
-        results: dict[str, list] = {lv.name: [] for lv in level_list}
+        runs = [(lv, c) for lv in level_list for c in ((False, True) if compile_ else (False,))]
+        steps = -(-len(data.x_train) // batch) * epochs * len(runs)
+        results: dict[str, list] = {f"{lv.name} compiled" if c else lv.name: []
+                                    for lv, c in runs}
         allocators = {}
         progress = _progress_steps(quiet)
         with progress as bar:
             task = bar.add_task("training", total=steps) if bar else None
-            for lv in level_list:
+            for lv, compiled in runs:
+                name = f"{lv.name} compiled" if compiled else lv.name
                 if bar:
-                    bar.update(task, description=f"{lv.name}")
+                    bar.update(task, description=name)
                 for r in run_train(lambda: work.model(**sizes), data, lv, epochs=epochs,
                                    seed=seed, batch_size=batch, loss_fn=work.loss,
                                    make_optimizer=work.optimizer, every=every,
                                    per_sample=per_sample, device=device,
-                                   precision=work.precision,
+                                   precision=work.precision, compiled=compiled,
                                    on_step=(lambda: bar.advance(task)) if bar else None,
-                                   keep=lambda _m, ap, name=lv.name: allocators.__setitem__(
+                                   keep=lambda _m, ap, name=name: allocators.__setitem__(
                                        name, ap)):
-                    results[lv.name].append(r)
+                    results[name].append(r)
                     if json_path is not None:
                         _write_json(_train_json(work.name, seed, results, allocators),
                                     json_path)

@@ -57,12 +57,14 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
           device: str | torch.device = "cpu",
           on_step: Callable[[], None] | None = None,
           keep: Callable[[nn.Module, AutoPrecision | None], None] | None = None,
-          precision: str = "32-true") -> Iterator[EpochResult]:
+          precision: str = "32-true", compiled: bool = False) -> Iterator[EpochResult]:
     """Train a fresh model (built after ``torch.manual_seed(seed)``) at ``level``; yields one
     :class:`EpochResult` per epoch. ``every``: steps between re-allocations and ``per_sample``:
     bits per sample too (mixed-precision levels; the allocator is told each batch's sample
     indices, see :meth:`AutoPrecision.samples`). ``keep`` is called with the model and its
-    allocator at the end. ``precision``: Lightning's names (:mod:`actune.precision`)."""
+    allocator at the end. ``precision``: Lightning's names (:mod:`actune.precision`).
+    ``compiled``: the model compiled in place (``model.compile()``; results named "L3
+    compiled"; the first epoch's seconds include compiling, evaluation's too)."""
     torch.manual_seed(seed)
     model = cast_model(precision, build_model().to(device))
     kind = torch.device(device).type
@@ -70,6 +72,9 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
     inputs_dtype = PRECISIONS[precision][1]
     compress(model, level, every=every, per_sample=per_sample)
     model.train()
+    if compiled:  # (in place: actune's global module hooks fire once, not twice as they
+        model.compile()  # would around torch.compile's wrapper)
+    name = f"{level.name} compiled" if compiled else level.name
     optimizer = (make_optimizer or default_optimizer)(model.parameters())
     order = torch.Generator().manual_seed(seed)
     ap = autoprec_of(model)
@@ -103,7 +108,7 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
                 on_step()
         total_loss, right = float(total_loss), int(right)
         seconds = time.perf_counter() - start
-        yield EpochResult(level.name, epoch, total_loss / seen, right / seen,
+        yield EpochResult(name, epoch, total_loss / seen, right / seen,
                           accuracy(model, data.x_test if inputs_dtype is None
                                    else data.x_test.to(inputs_dtype), data.y_test,
                                    device=device), seconds,
