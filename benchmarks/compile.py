@@ -91,6 +91,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--no-horizontal-fusion", action="store_true",
+                        help="Inductor's cpp.max_horizontal_fusion_size = 1 (for every "
+                             "compiled variant)")
     parser.add_argument("--models", default=None,
                         help="comma-separated words picking models by title (default: all)")
     args = parser.parse_args()
@@ -98,6 +101,9 @@ def main() -> None:
               or any(w.lower() in t.lower() for w in args.models.split(","))}
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_horizontal_fusion:
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.max_horizontal_fusion_size = 1
     for title, make in chosen.items():
         steps, breaks = {}, {}
         for compiled in (False, True):
