@@ -10,7 +10,7 @@ import actune
 from actune import substitutes, zoo
 from actune.hooks import allow_overwrite
 from actune.memory import StepMeter
-from actune.memory.peak import _PeakTracker
+from actune.memory.tracker import PeakTracker
 
 LEVEL = actune.Level("t", matmul_bits=4, other_bits=4, min_numel=1)
 MiB = 2**20
@@ -188,7 +188,7 @@ def test_overwriting_lowers_the_forward_peak_by_one_activation(monkeypatch):
 
 def _tracked_peak(backward_sum_in_python: bool) -> tuple[float, str]:
     x = torch.randn(1024, 1024, requires_grad=True)  # 4 MiB
-    tracker = _PeakTracker()
+    tracker = PeakTracker()
 
     class Twice(torch.autograd.Function):
         @staticmethod
