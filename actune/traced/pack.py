@@ -84,20 +84,24 @@ def _round(scaled: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
     if per == 1:
         return q
+    # the codes of a byte joined by a sum over their own small dim: a reduction Inductor
+    # computes from ``scaled`` inside its loop, where joining slices made it keep every code
+    # as a float first (a tensor the size of the input)
     q = q.reshape(q.shape[0], q.shape[1] // per, per, *q.shape[2:])
-    codes = q[:, :, 0]
-    for i in range(1, per):
-        codes = codes | (q[:, :, i] << (i * bits))
-    return codes
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=q.device)
+    shifts = shifts.reshape(per, *([1] * (q.dim() - 3)))
+    return (q << shifts).sum(2, dtype=torch.uint8)
 
 
 def _codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of :func:`_round`'s byte packing: one code per element, as float32."""
+    """The inverse of :func:`_round`'s byte packing: one code per element, as float32 (each
+    byte's codes by one broadcast shift, a pointwise op Inductor fuses into the reader)."""
     per = 8 // bits
     if per == 1:
         return codes.float()
-    top = 2**bits - 1
-    q = torch.stack([(codes >> (i * bits)) & top for i in range(per)], 2)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    shifts = shifts.reshape(per, *([1] * (codes.dim() - 2)))
+    q = (codes.unsqueeze(2) >> shifts) & (2**bits - 1)
     return q.reshape(q.shape[0], q.shape[1] * per, *q.shape[3:]).float()
 
 
