@@ -99,6 +99,9 @@ DeviceProfileOpt = Annotated[str | None, typer.Option(
     "--device-profile", help="Estimate for this GPU kind without it (h100, h200, a100-80, "
     "l4, ...; `actune info` lists them): its memory, CUDA's workspaces and the caching "
     "allocator's rules. Default: the GPU found, if any.", show_default=False)]
+CompileBackend = Annotated[str, typer.Option(
+    "--compile-backend", help="torch.compile's backend with --compile (inductor; aot_eager "
+    "compiles fast, for checking a set-up).")]
 MarginOpt = Annotated[float | None, typer.Option(
     "--margin", min=0, max=50, help="Percent of the budget kept free. Default: 5 in "
     "estimates for a GPU, 0 otherwise.", show_default=False)]
@@ -261,6 +264,16 @@ def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
                         gpu, margin / 100)
     workload.check()
     return workload, level_list, settings
+
+
+def _check_backend(name: str) -> None:
+    """A torch.compile backend this torch has, or one paragraph naming those it has."""
+    import torch._dynamo
+
+    known = {*torch._dynamo.list_backends(), "eager", "aot_eager"}
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        raise _UsageError(f"--compile-backend {name!r} is not a torch.compile backend here; "
+                          f"choose one of {', '.join(sorted(known))}")
 
 
 def _gpu_model(name: str | None, found):
@@ -469,6 +482,7 @@ def bench(
     compile_: Annotated[bool, typer.Option(
         "--compile", help="Also each level's step under torch.compile, timed in the same "
         "rounds (speed only; compiling happens in the warm-up steps).")] = False,
+    compile_backend: CompileBackend = "inductor",
     budget: BudgetOpt = None,
     mode: ModeOpt = None,
     device_profile: DeviceProfileOpt = None,
@@ -486,6 +500,7 @@ def bench(
             _require_matplotlib()
         if compile_ and at_max:
             raise _UsageError("--compile times every level at one batch: drop --at-max")
+        _check_backend(compile_backend)
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode, hf=hf,
                                                 hf_class=hf_class, precision=precision,
                                                 device_profile=device_profile, margin=margin)
@@ -496,7 +511,7 @@ def bench(
         report = _run_job(run.bench, level_list, quiet, json_path, workload=workload,
                           settings=settings, batch=batch, at_max=at_max,
                           sizes=sizes, steps=steps, warmup=max(warmup, 1 if compile_ else 0),
-                          answer=True, compile=compile_)
+                          answer=True, compile=compile_, compile_backend=compile_backend)
         _plot(plot, workload, level_list, settings, report, sizes, quiet)
 
 
@@ -542,6 +557,7 @@ def train(
     compile_: Annotated[bool, typer.Option(
         "--compile", help="Also train each level with its forward under torch.compile, in a "
         "column of its own (the first epoch's seconds include compiling).")] = False,
+    compile_backend: CompileBackend = "inductor",
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -561,6 +577,7 @@ def train(
                 " or cuda" if torch.cuda.is_available() else " (torch sees no CUDA device)"))
         work = _workload(model_file, model, hf, hf_class, precision)
         level_list = parse_levels(levels)
+        _check_backend(compile_backend)
         data, sizes = _data(work, resolution)
         runs = [(lv, c) for lv in level_list for c in ((False, True) if compile_ else (False,))]
         steps = -(-len(data.x_train) // batch) * epochs * len(runs)
@@ -579,6 +596,7 @@ def train(
                                    make_optimizer=work.optimizer, every=every,
                                    per_sample=per_sample, device=device,
                                    precision=work.precision, compiled=compiled,
+                                   compile_backend=compile_backend,
                                    on_step=(lambda: bar.advance(task)) if bar else None,
                                    keep=lambda _m, ap, name=name: allocators.__setitem__(
                                        name, ap)):

@@ -57,14 +57,16 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
           device: str | torch.device = "cpu",
           on_step: Callable[[], None] | None = None,
           keep: Callable[[nn.Module, AutoPrecision | None], None] | None = None,
-          precision: str = "32-true", compiled: bool = False) -> Iterator[EpochResult]:
+          precision: str = "32-true", compiled: bool = False,
+          compile_backend: str = "inductor") -> Iterator[EpochResult]:
     """Train a fresh model (built after ``torch.manual_seed(seed)``) at ``level``; yields one
     :class:`EpochResult` per epoch. ``every``: steps between re-allocations and ``per_sample``:
     bits per sample too (mixed-precision levels; the allocator is told each batch's sample
     indices, see :meth:`AutoPrecision.samples`). ``keep`` is called with the model and its
     allocator at the end. ``precision``: Lightning's names (:mod:`actune.precision`).
     ``compiled``: the model compiled in place (``model.compile()``; results named "L3
-    compiled"; the first epoch's seconds include compiling, evaluation's too)."""
+    compiled"; the first epoch's seconds include compiling, evaluation's too), with
+    ``compile_backend``."""
     torch.manual_seed(seed)
     model = cast_model(precision, build_model().to(device))
     kind = torch.device(device).type
@@ -73,7 +75,7 @@ def train(build_model: Callable[[], nn.Module], data: Dataset, level: Level, *, 
     compress(model, level, every=every, per_sample=per_sample)
     model.train()
     if compiled:  # (in place: actune's global module hooks fire once, not twice as they
-        model.compile()  # would around torch.compile's wrapper)
+        model.compile(backend=compile_backend)  # would around torch.compile's wrapper)
     name = f"{level.name} compiled" if compiled else level.name
     optimizer = (make_optimizer or default_optimizer)(model.parameters())
     order = torch.Generator().manual_seed(seed)

@@ -110,7 +110,8 @@ class Trial:
         if self.sharding and self.sharding.kind == "ddp":
             buckets = bucket_bytes(self.meter.model)
             peak = dataclasses.replace(peak, total=peak.total + buckets,
-                                       gradients=peak.gradients + buckets)
+                                       gradients=peak.gradients + buckets,
+                                       reserved=peak.reserved + buckets if peak.reserved else 0)
         return peak
 
     def probe(self, batch: int, budget: int) -> Probe:

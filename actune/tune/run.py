@@ -346,7 +346,8 @@ def throughputs(workload: Workload, runs: list[tuple], sizes: dict, device: str,
 
 
 def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str,
-                 steps: int = 5, warmup: int = 2) -> list[list[float]]:
+                 steps: int = 5, warmup: int = 2,
+                 backend: str = "inductor") -> list[list[float]]:
     """Step times of each (level, batch[, compiled]), one list per run: every run gets its own
     model (same seed; under ``torch.compile`` where ``compiled`` is true) and ``warmup``
     untimed steps, then the timed steps are taken in rounds, one
@@ -366,7 +367,7 @@ def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str
             opt = workload.optimizer(model.parameters())
             inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
         if compiled and compiled[0]:  # (its first steps, the warm-up, compile it)
-            model = torch.compile(model)
+            model = torch.compile(model, backend=backend)
         states.append((get_config(level), model, opt, inputs, targets))
 
     scaler = precision_scaler(workload.precision, device.split(":")[0])
@@ -412,7 +413,8 @@ def _round_ratios(base: list[float], times: list[float]) -> tuple[float, float]:
 def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | None,
           at_max: bool = False, sizes: dict | None = None, steps: int = 5, warmup: int = 2,
           multiple_of: int = 1, answer: bool = False, on_probe: Callable | None = None,
-          on_level: Callable[[Report], None] | None = None, compile: bool = False) -> Report:
+          on_level: Callable[[Report], None] | None = None, compile: bool = False,
+          compile_backend: str = "inductor") -> Report:
     """Throughput and memory per level at one batch (or each level's own max batch). With
     ``answer`` (an estimate, one batch for all): also the largest batch at L0 and at L3 under
     the budget, estimated (``report.answer``). With ``compile`` (one batch for all): each
@@ -457,7 +459,7 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
                          level) for row, level in pending]
         times = timed_rounds(workload, [(level, row.value, True) if row.compiled
                                         else (level, row.value) for row, level in pending], sizes,
-                             settings.device, steps, warmup)
+                             settings.device, steps, warmup, compile_backend)
         base = next((t for (row, _), t in zip(pending, times, strict=True)
                      if row.level == "L0"), None)
         for (row, _), t in zip(pending, times, strict=True):

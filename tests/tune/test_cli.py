@@ -256,13 +256,19 @@ def test_train_side_by_side_with_the_allocation_and_json(tmp_path):
 
 def test_train_compile_adds_a_compiled_column_that_learns_like_the_eager_one(tmp_path):
     out = tmp_path / "train.json"
-    result = run("train", "--levels", "L3", "--epochs", "1", "--compile", "--json", str(out))
+    result = run("train", "--levels", "L3", "--epochs", "1", "--compile", "--compile-backend",
+                 "aot_eager", "--json", str(out))  # (Inductor's own: tests/traced/)
     assert result.exit_code == 0, result.output
     assert "L3 compiled" in result.output and "UserWarning" not in result.output
     levels = json.loads(out.read_text())["levels"]
     eager, compiled = levels["L3"]["epochs"][-1], levels["L3 compiled"]["epochs"][-1]
     assert compiled["level"] == "L3 compiled" and compiled["test_accuracy"] > 0.85
     assert abs(compiled["loss"] - eager["loss"]) < 0.1 * eager["loss"]
+
+
+def test_an_unknown_compile_backend_names_the_known_ones():
+    result = run("train", "--levels", "L3", "--compile", "--compile-backend", "nope")
+    assert result.exit_code == 2 and "inductor" in result.output
 
 
 def test_train_from_a_model_file_with_its_own_dataset(tmp_path):
