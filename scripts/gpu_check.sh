@@ -14,7 +14,10 @@
 # 6. L3 and L0 each at its own max batch on ResNet-50 under 8 GiB (to fit the time) (bench --at-max --mode
 #    measure: real OOMs in subprocess probes, then samples/s at each level's max batch);
 # 7. training on digits at L0, u2, L3 and 1.25 bits on the GPU;
-# 8. attention's rule on every CUDA SDPA backend (math, flash, memory-efficient, cuDNN) in
+# 8. torch.compile: the compiled pack's bandwidth against clone, then compiled L0 against
+#    compiled L3 (samples/s, max_memory_allocated) for GPT-2 small and ResNet-50
+#    (scripts/gpu_compile.py; a line per model as it finishes);
+# 9. attention's rule on every CUDA SDPA backend (math, flash, memory-efficient, cuDNN) in
 #    float32 and bfloat16, and Hugging Face GPT-2 small at L0 and L3 (scripts/gpu_transformers.py).
 # Runs from a checkout without installing: PYTHONPATH points at it, PYTHON (default python3)
 # is the interpreter that holds torch.
@@ -74,4 +77,5 @@ section at_max 110 actune bench --model resnet50 --resolution 224 --levels L3,L0
 section train 25 actune train --device cuda --levels L0,u2,L3,1.25b --epochs 3 \
     --json "$out/train.json"
 section transformers 40 "$PY" scripts/gpu_transformers.py --device cuda
+section compile 120 "$PY" scripts/gpu_compile.py --device cuda
 echo "done after $SECONDS s" | tee -a "$log"

@@ -41,6 +41,12 @@ def test_gpu_memory_model_check_predicts_on_the_cpu(tmp_path):
     assert len(lines) == 2 and all("measured: no GPU here" in ln for ln in lines)
 
 
+def test_gpu_compile_check_runs_the_compiled_pack_on_the_cpu():
+    done = _run(["scripts/gpu_compile.py", "--device", "cpu", "--models", "none"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compiled 2-bit pack of 65,536 float32" in done.stdout
+
+
 def test_gpu_check_driver_parses():
     done = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")],
                           capture_output=True, text=True)
