@@ -254,8 +254,9 @@ def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
     the_budget = parse_budget(budget, found, gpu.profile if gpu else None, world_size)
     margin = (5.0 if gpu else 0.0) if margin is None else margin
     if margin:
-        the_budget = type(the_budget)(int(the_budget.bytes * (1 - margin / 100)),
-                                      f"{the_budget.source}, less a {margin:g}% margin")
+        the_budget = dataclasses.replace(
+            the_budget, bytes=int(the_budget.bytes * (1 - margin / 100)),
+            source=f"{the_budget.source}, less a {margin:g}% margin")
     if gpu is not None:  # the allocator may reserve up to the budget, then frees its cache
         gpu = dataclasses.replace(gpu, capacity=the_budget.bytes)
     name = (f"{gpu.profile.title} (profile {gpu.profile.name})" if device_profile else
@@ -280,15 +281,14 @@ def _gpu_model(name: str | None, found):
     """The GPU model an estimate predicts with: the profile named, else the GPU found (its
     profile, or one made from what CUDA reports), else none."""
     from actune.memory.gpu_model import GpuModel
-    from actune.memory.gpu_profiles import DeviceProfile, find_profile, profile_for
+    from actune.memory.gpu_profiles import find_profile, profile_of
 
     if name:
         profile = find_profile(name)
     elif found is not None:
         import torch
 
-        profile = profile_for(found.name) or DeviceProfile(
-            "found", found.name, found.total, torch.cuda.get_device_capability(), 512 * 2**20)
+        profile = profile_of(found.name, found.total, torch.cuda.get_device_capability())
     else:
         return None
     return GpuModel.for_profile(profile)

@@ -55,19 +55,8 @@ LEVELS = ("L0", "L2", "L3")
 
 
 def small(kind: str, attention: str):
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000,
-                                         n_positions=128, bos_token_id=0, eos_token_id=0)
-        cls = transformers.GPT2LMHeadModel
-    else:
-        config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256,
-                                          intermediate_size=688, num_attention_heads=4,
-                                          num_key_value_heads=2, vocab_size=8000,
-                                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
-        cls = transformers.LlamaForCausalLM
-    config._attn_implementation = attention
-    return cls(config)
+    """GPT-2 or Llama's small config (:func:`family`) with ``attention`` (sdpa, eager)."""
+    return family(kind, attention)
 
 
 def kept_after_forward(model, ids: torch.Tensor, level: str, form: str = "compressed") -> int:
@@ -101,20 +90,22 @@ def section_small(console: Console) -> None:
     console.print(table)
 
 
-def family(kind: str):
-    """One small config of a family (4 layers or 2+2, 256 wide, vocabulary 8,000)."""
+def family(kind: str, attention: str | None = None):
+    """One small config of a family (4 layers or 2+2, 256 wide, vocabulary 8,000), with
+    ``attention`` if given (else the family's default)."""
     torch.manual_seed(0)
     t = transformers
     common = {"vocab_size": 8000, "pad_token_id": 0}
+    causal = {**common, "bos_token_id": 0, "eos_token_id": 0}
     configs = {
         "gpt2": (t.GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128,
                               bos_token_id=0, eos_token_id=0, vocab_size=8000),
                  t.GPT2LMHeadModel),
         "llama": (t.LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
-                                num_attention_heads=4, num_key_value_heads=2, **common),
+                                num_attention_heads=4, num_key_value_heads=2, **causal),
                   t.LlamaForCausalLM),
         "qwen2": (t.Qwen2Config(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
-                                num_attention_heads=4, num_key_value_heads=2, **common),
+                                num_attention_heads=4, num_key_value_heads=2, **causal),
                   t.Qwen2ForCausalLM),
         "bert": (t.BertConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=1024,
                               num_attention_heads=4, **common), t.BertForMaskedLM),
@@ -125,6 +116,8 @@ def family(kind: str):
                t.T5ForConditionalGeneration),
     }
     config, cls = configs[kind]
+    if attention is not None:
+        config._attn_implementation = attention
     return cls(config)
 
 

@@ -47,7 +47,7 @@ def _models(device: str, small: bool, layers: int, names: list[str]):
                         torch.randint(0, 1000, (batch,), device=device)), batch)
 
 
-def _step(model, opt, inputs, targets, device):
+def _step(model, opt, inputs, targets):
     if targets is None:  # a language model: its own loss on the ids
         loss = model(input_ids=inputs, labels=inputs).loss
     else:
@@ -70,7 +70,7 @@ def compare(device: str, rounds: int, small: bool, layers: int, names: list[str]
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             inputs, targets = batch_of()
             for _ in range(2):  # compile, then settle
-                _step(model, opt, inputs, targets, device)
+                _step(model, opt, inputs, targets)
             runs[level] = (model, opt, inputs, targets)
         times = {lv: [] for lv in runs}
         peaks = {}
@@ -80,7 +80,7 @@ def compare(device: str, rounds: int, small: bool, layers: int, names: list[str]
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 t = time.perf_counter()
-                _step(model, opt, inputs, targets, device)
+                _step(model, opt, inputs, targets)
                 if cuda:
                     torch.cuda.synchronize()
                     peaks[lv] = torch.cuda.max_memory_allocated()

@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from actune.memory.gpu_model import GpuModel
-from actune.memory.gpu_profiles import DeviceProfile, find_profile, profile_for
-from actune.memory.trace import TraceRecorder
+from actune.memory.gpu_profiles import find_profile, profile_of
 from actune.tune.probe import Trial
 from actune.tune.workload import from_source
 
@@ -36,20 +35,9 @@ CASES = [("builtin:resnet50", {"resolution": 224}, 64),
 
 def predicted(source, sizes, batch, level, gpu):
     """The model's peaks and the largest blocks alive at its allocated peak."""
-    seen = []
-    init = TraceRecorder.__init__
-
-    def keep(self):
-        init(self)
-        seen.append(self)
-
-    TraceRecorder.__init__ = keep
-    try:
-        peak = Trial(from_source(source), level, sizes, "estimate", round_to=512,
-                     gpu=gpu).peak(batch)
-    finally:
-        TraceRecorder.__init__ = init
-    return peak, _largest_at_peak(seen[-1].trace.events)
+    trial = Trial(from_source(source), level, sizes, "estimate", round_to=512, gpu=gpu)
+    peak = trial.peak(batch)
+    return peak, _largest_at_peak(trial.meter.last_trace.events)
 
 
 def _largest_at_peak(events, top: int = 8) -> list[int]:
@@ -92,10 +80,9 @@ def main() -> int:
     args = ap.parse_args()
     on_gpu = args.device == "cuda"
     if on_gpu:
-        name = torch.cuda.get_device_name(0)
         _free, total = torch.cuda.mem_get_info()
-        profile = profile_for(name) or DeviceProfile(
-            "found", name, total, torch.cuda.get_device_capability(0), 512 * MIB)
+        profile = profile_of(torch.cuda.get_device_name(0), total,
+                             torch.cuda.get_device_capability(0))
     else:
         profile = find_profile(args.profile)
     gpu = GpuModel.for_profile(profile)

@@ -325,7 +325,7 @@ def replay(events: Iterable[Event], config: AllocatorConfig | None = None,
     alloc = CachingAllocator(config, capacity)
     live: dict = {}
     try:
-        _run(alloc, events[:warm_prefix], live, "")
+        _run(alloc, events[:warm_prefix], live, None)
         body = events[warm_prefix:]
         persistent = set(live)
         _run(alloc, body, live, 1)
@@ -338,12 +338,14 @@ def replay(events: Iterable[Event], config: AllocatorConfig | None = None,
     return Replay(alloc.peak_allocated, alloc.peak_reserved)
 
 
-def _run(alloc: CachingAllocator, events: list[Event], live: dict, tag) -> None:
+def _run(alloc: CachingAllocator, events: list[Event], live: dict, tag: int | None) -> None:
+    """Replay ``events``; a pass's own allocations are keyed ``(tag, key)``, what exists
+    before the step (``tag`` None) by its key alone, which any pass may free."""
     for event in events:
         if event[0] == "empty_cache":
             alloc.empty_cache()
             continue
-        key = (tag, event[1]) if tag != "" else event[1]
+        key = event[1] if tag is None else (tag, event[1])
         if event[0] == "alloc":
             live[key] = alloc.malloc(event[2])
         else:

@@ -37,7 +37,6 @@ class StepTrace:
     events: list = field(default_factory=list)
     prefix: int = 0
     uses_blas: bool = False
-    largest_temporary: int = 0  # the largest inner temporary of one op (bytes)
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,6 @@ class GpuPeak:
     allocated: int  # max_memory_allocated
     reserved: int  # max_memory_reserved
     workspaces: int  # cuBLAS (and cuBLASLt) workspaces, inside ``allocated``
-    largest_temporary: int  # the largest op-inner temporary, inside ``allocated`` if at peak
     out_of_memory: bool = False  # the replay ran out of ``capacity``
 
 
@@ -86,10 +84,4 @@ class GpuModel:
         result = replay(events, self.allocator, self.capacity,
                         warm_prefix=trace.prefix + len(workspaces))
         return GpuPeak(result.allocated, result.reserved,
-                       sum(e[2] for e in workspaces), trace.largest_temporary,
-                       result.out_of_memory)
-
-    def nvml_extra(self, world_size: int = 1) -> int:
-        """What NVML counts beyond PyTorch's reserved bytes: the CUDA context and, for
-        several ranks, NCCL's buffers."""
-        return self.profile.context + self.profile.nccl_bytes(world_size)
+                       sum(e[2] for e in workspaces), result.out_of_memory)

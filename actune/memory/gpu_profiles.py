@@ -89,6 +89,13 @@ def profile_for(nvml_name: str) -> DeviceProfile | None:
     return None
 
 
+def profile_of(nvml_name: str, memory: int, capability: tuple[int, int]) -> DeviceProfile:
+    """The profile of the GPU at hand: its kind's, else one made from what CUDA reports (a
+    512 MiB context, the bound of the newest kinds)."""
+    return profile_for(nvml_name) or DeviceProfile("found", nvml_name, memory, capability,
+                                                   512 * MIB)
+
+
 def cublas_workspace_bytes(capability: tuple[int, int],
                            env: Mapping[str, str] | None = None) -> int:
     """One cuBLAS handle's workspace on a device of ``capability`` (CublasHandlePool.cpp)."""

@@ -3,7 +3,9 @@ with its source and whether it is derived from that source or fitted.
 
 Each formula gets the op's arguments as the estimate's fake step ran them (on the CPU) and
 returns the bytes the op holds on a GPU while it runs, beside its inputs and outputs. The
-estimate allocates them before the op's outputs and frees them after.
+estimate allocates them before the op's outputs and frees them after. Known and not
+modelled (docs/tuning.md): cuDNN's forward workspaces (no measurement to bound them yet), its
+batch norm reserve space (a CPU trace runs the native kernel), ``cudnn.benchmark``'s trials.
 """
 
 from __future__ import annotations
@@ -77,15 +79,6 @@ TEMPORARIES: dict[str, Temporary] = {
     "aten::_scaled_dot_product_efficient_attention_backward": Temporary(
         _attention_backward, _FLASH, "derived"),
 }
-
-#: Known and not modelled, with the reason (docs/tuning.md lists them too).
-NOT_MODELLED = {
-    "cuDNN convolution forward workspace": "no measurement to bound it yet",
-    "cuDNN batch norm reserve space": "PyTorch's cuDNN batch norm returns it as a tensor; "
-                                      "a CPU trace runs the native kernel instead",
-    "cudnn.benchmark workspaces": "bounded only by the largest free cached block",
-}
-
 
 def temporary_bytes(func, args: tuple) -> int:
     """The bytes ``func`` holds inside on a GPU (0 for ops with no entry)."""

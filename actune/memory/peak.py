@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools import mem_tracker
 
 from actune.hooks import CompressionStats
-from actune.memory.gpu_model import GpuModel
+from actune.memory.gpu_model import GpuModel, StepTrace
 from actune.memory.trace import TraceRecorder
 from actune.memory.tracker import PeakTracker
 from actune.saved import simulated_offload
@@ -89,6 +89,7 @@ class StepMeter:
         self.round_to, self.warmup_batch = round_to, warmup_batch
         # an estimate for a GPU: the step's trace replayed through its allocator
         self.gpu = gpu if mode == "estimate" else None
+        self.last_trace: StepTrace | None = None  # the last such step's trace
         self.warm_optimizer_only = warm_optimizer_only and mode == "estimate"
         self.fake = FakeTensorMode() if mode == "estimate" else None
         self.model = self.opt = None
@@ -131,7 +132,8 @@ class StepMeter:
             result = _peak(dev[0][1] if dev else {}, stats, host,
                            tracker.where.get(dev[0][0], "") if dev else "")
             if tracker.recorder is not None:
-                result = _on_gpu(result, self.gpu, tracker.recorder.trace, batch)
+                self.last_trace = tracker.recorder.trace
+                result = _on_gpu(result, self.gpu, self.last_trace, batch)
         self._cache[batch] = result
         return result
 

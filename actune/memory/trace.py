@@ -81,7 +81,6 @@ class TraceRecorder:
         if nbytes:
             self._open = next(self._temporaries)
             self.trace.events.append(("alloc", self._open, nbytes))
-            self.trace.largest_temporary = max(self.trace.largest_temporary, nbytes)
 
     def after_op(self) -> None:
         if self._open is not None:

@@ -96,32 +96,21 @@ def test_the_model_adds_two_workspaces_only_where_cublas_runs():
 def test_the_recorded_trace_holds_the_tracked_tensors_and_is_the_same_every_time():
     """The trace's own peak (tensors alone) is the tracker's; two estimates give the same
     prediction to the byte (keys never reused, gradient sums in place as a plain step)."""
-    from actune.memory import trace as trace_module
-
     work = from_source("builtin:tinycnn")
-    recorded = []
-    init = trace_module.TraceRecorder.__init__
-
-    def keep(self):
-        init(self)
-        recorded.append(self)
-
     gpu = GpuModel.for_profile(PROFILES["h100"])
     peaks = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trace_module.TraceRecorder, "__init__", keep)
-        for level in ("L0", "L0", "L3"):
-            tracked = Trial(work, level, {"resolution": 16}, "estimate", round_to=512).peak(32)
-            peaks.append(Trial(work, level, {"resolution": 16}, "estimate", round_to=512,
-                               gpu=gpu).peak(32))
-            events, live, top = recorded[-1].trace.events, {}, 0
-            for e in events:
-                if e[0] == "alloc":
-                    live[e[1]] = e[2] if isinstance(e[1], int) and e[1] >= 0 else 0
-                else:
-                    live.pop(e[1], None)
-                top = max(top, sum(live.values()))
-            assert top == tracked.total, level
+    for level in ("L0", "L0", "L3"):
+        tracked = Trial(work, level, {"resolution": 16}, "estimate", round_to=512).peak(32)
+        trial = Trial(work, level, {"resolution": 16}, "estimate", round_to=512, gpu=gpu)
+        peaks.append(trial.peak(32))
+        events, live, top = trial.meter.last_trace.events, {}, 0
+        for e in events:
+            if e[0] == "alloc":
+                live[e[1]] = e[2] if isinstance(e[1], int) and e[1] >= 0 else 0
+            else:
+                live.pop(e[1], None)
+            top = max(top, sum(live.values()))
+        assert top == tracked.total, level
     assert peaks[0] == peaks[1]
     assert peaks[0].reserved >= peaks[0].total > 0
 
