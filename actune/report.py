@@ -43,8 +43,10 @@ class LevelResult:
     peak_at: str = ""  # phase and innermost module at the peak, e.g. "forward, layer1.2.bn3"
     kept_exact: dict = field(default_factory=dict)  # bytes kept exact, by the op saving them
     samples_per_s: float | None = None
-    # bench at one batch: the interquartile range of the per-round speed ratios to L0 (the
-    # steps are timed in rounds): the run's own spread of ``ratio``
+    # bench at one batch (the steps are timed in rounds): the median of the per-round speed
+    # ratios to L0 (``ratio`` then) and their middle half (both ends under four rounds), the
+    # run's own spread of ``ratio``
+    round_ratio: float | None = None
     ratio_spread: list | None = None
     probes: list[dict] = field(default_factory=list)
     complete: bool = True
@@ -111,6 +113,8 @@ class Report:
         for r in self.levels:
             if base is None:
                 r.ratio = None
+            elif self.command == "bench" and r.round_ratio is not None:
+                r.ratio = r.round_ratio  # (a median of ratios: inside its own spread)
             elif self.command == "bench":
                 r.ratio = (r.samples_per_s / base.samples_per_s
                            if r.samples_per_s and base.samples_per_s else None)

@@ -61,3 +61,20 @@ def test_gpu_transformers_check_runs_on_the_cpu():
     # math and flash, float32 and bfloat16, causal and masked: each compared
     assert sum("relative error" in line and "kept exact nothing" in line for line in lines) >= 6
     assert any(line.startswith("GPT-2 1 layers, batch 1 x 32, L3") for line in lines)
+
+
+def test_no_script_shadows_an_installed_module():
+    """A script's folder comes first on sys.path when it runs, so a script named like a module
+    that a dependency imports replaces it (``benchmarks/kernels.py`` once hid Hugging Face's
+    ``kernels``, which transformers imports, and every transformers benchmark failed)."""
+    import importlib.util
+
+    scripts = [p for folder in ("benchmarks", "scripts") for p in (ROOT / folder).glob("*.py")]
+    assert len(scripts) > 10
+    shadowing = []
+    for path in scripts:
+        spec = importlib.util.find_spec(path.stem) if path.stem not in sys.modules else True
+        origin = getattr(spec, "origin", None) if spec is not True else "(loaded)"
+        if spec is not None and Path(str(origin)).parent != path.parent:
+            shadowing.append(f"{path.relative_to(ROOT)} hides {origin}")
+    assert not shadowing, shadowing

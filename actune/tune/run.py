@@ -400,14 +400,16 @@ def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str
     return times
 
 
-def _round_ratios(base: list[float], times: list[float]) -> tuple[float, float]:
-    """The interquartile range of the per-round speed ratios (``base``'s step time over this
-    run's, one pair per round): the run's own spread of a "vs L0" figure."""
+def _round_ratios(base: list[float], times: list[float]) -> tuple[float, float, float]:
+    """The per-round speed ratios (``base``'s step time over this run's, one pair per round):
+    their median (the "vs L0" figure) and the middle half around it, both ends under four
+    rounds (the run's own spread of that figure)."""
     ratios = sorted(b / t for b, t in zip(base, times, strict=True))
-    if len(ratios) < 2:
-        return ratios[0], ratios[0]
+    middle = statistics.median(ratios)
+    if len(ratios) < 4:
+        return ratios[0], middle, ratios[-1]
     q = statistics.quantiles(ratios, n=4, method="inclusive")
-    return q[0], q[2]
+    return q[0], middle, q[2]
 
 
 def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | None,
@@ -465,7 +467,8 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
         for (row, _), t in zip(pending, times, strict=True):
             row.samples_per_s = row.value / statistics.median(t)
             if base is not None and row.level != "L0":
-                row.ratio_spread = list(_round_ratios(base, t))
+                low, row.round_ratio, high = _round_ratios(base, t)
+                row.ratio_spread = [low, high]
             _add(report, row, on_level)
         order = {lv.name: i for i, lv in enumerate(levels)}
         order.update({f"{name} compiled": i + len(order) for name, i in list(order.items())})

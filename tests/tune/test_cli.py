@@ -1,6 +1,7 @@
 """The command line, end to end on small built-in models (estimate mode: no GPU here)."""
 
 import json
+import statistics
 
 import pytest
 from typer.testing import CliRunner
@@ -98,6 +99,17 @@ def test_scale_depth_and_the_error_for_a_missing_dimension(tmp_path):
     assert "cannot be scaled in depth" in bad.output and "Traceback" not in bad.output
 
 
+def test_a_speed_ratio_lies_inside_its_own_spread():
+    """Rounds where the ratio of the median times (0.67) falls outside the per-round ratios'
+    middle half (0.75-1.0): the figure shown is their median (1.0), inside it."""
+    from actune.tune.run import _round_ratios
+
+    base, times = [3.0, 1.0, 4.0, 2.0, 2.0], [4.0, 1.0, 4.0, 3.0, 2.0]
+    assert statistics.median(base) / statistics.median(times) == pytest.approx(2 / 3)
+    assert _round_ratios(base, times) == (0.75, 1.0, 1.0)
+    assert _round_ratios([1.0, 2.0], [2.0, 2.0]) == (0.5, 0.75, 1.0)  # two rounds: both ends
+
+
 def test_bench_runs_real_steps_and_relates_to_l0(tmp_path):
     out = tmp_path / "bench.json"
     result = run("bench", "--model", "tinycnn", "--resolution", "8", "--batch", "32",
@@ -107,10 +119,11 @@ def test_bench_runs_real_steps_and_relates_to_l0(tmp_path):
     levels = data["levels"]
     assert levels[0]["ratio"] == 1.0 and levels[1]["samples_per_s"] > 0
     assert "samples/s" in result.output
-    # the run's own spread beside the ratios: per-round ratios, their middle half (two
-    # rounds: their two ends, around the ratio of the summed times)
+    # the run's own spread beside the ratios: the median of the per-round ratios within the
+    # middle half of them (two rounds: their two ends)
     lo, hi = levels[1]["ratio_spread"]
     assert 0 < lo <= levels[1]["ratio"] <= hi and levels[0]["ratio_spread"] is None
+    assert levels[1]["ratio"] == levels[1]["round_ratio"]
     assert f"vs L0, the middle half of the rounds: L3 {lo:.2f}-{hi:.2f}x" in result.output
     # it ends with what a user came for: the largest batch at L0 and at L3, estimated
     answer = data["answer"]

@@ -2,7 +2,7 @@
 torch's clone of the same tensor and a pure-torch implementation of the same quantization,
 all measured in one run on one tensor (ratios, not absolute timings, are the result).
 
-    python benchmarks/kernels.py [--numel 67108864] [--repeat 5] [--isa all|native|avx2]
+    python benchmarks/kernel_speed.py [--numel 67108864] [--repeat 5] [--isa all|native|avx2]
                                  [--threads N]
 
 ``--isa all`` (the default) runs the measurement once per code generation target in its own
