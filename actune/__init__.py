@@ -10,6 +10,7 @@ from actune.convert import (
     summary,
     track_stats,
 )
+from actune.families import default_level
 from actune.hooks import CompressionStats, compressed
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import LEVELS, Level, get_level, parse_levels
@@ -34,6 +35,7 @@ __all__ = [
     "compress",
     "compressed",
     "decompress",
+    "default_level",
     "dequantize",
     "dequantize_many",
     "disallow_inplace_norms",

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from actune.autoprec import AutoPrecision
+from actune.families import default_level
 from actune.fused import FUSED, class_name, fused_of
 from actune.hooks import compressed, shared_cache
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
@@ -187,10 +188,12 @@ def is_compressed(module: nn.Module) -> bool:
     return any(hasattr(m, _LEVEL_ATTR) for m in module.modules())
 
 
-def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50,
+def compress(model: nn.Module, level: str | Level | None = None, *, every: int = 50,
              per_sample: bool = True, inplace: bool = True) -> nn.Module:
     """Convert ``model``'s supported layers in place to compressed counterparts; returns it.
 
+    ``level`` None: :func:`actune.default_level` of the model (L3; L2 for a family whose
+    accuracy at L3 was measured short of the targets, such as GPT-2).
     Works before or after ``.to(device)``; converting again just sets the new level;
     :func:`decompress` restores plain layers. The model's whole forward runs under
     :func:`actune.compressed` at that level, so functional calls between the layers (attention,
@@ -202,7 +205,7 @@ def compress(model: nn.Module, level: str | Level = "L3", *, every: int = 50,
     ``per_sample`` bits per sample too. ``inplace``: batch norms that are the only reader of
     a convolution's output write their result over it (:func:`allow_inplace_norms`).
     """
-    lv = get_level(level)
+    lv = default_level(model) if level is None else get_level(level)
     if lv.exact:
         return decompress(model)
     ap = model.__dict__.get(_AUTOPREC_ATTR)
