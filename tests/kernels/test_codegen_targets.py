@@ -29,7 +29,7 @@ def test_avx2_code_matches_reference():
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     subprocess.run([sys.executable, "-c", probe], env=env, check=True)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
          str(here / "test_cpu_matches_reference.py"), "-k", "bytes_match or other_group"],
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
