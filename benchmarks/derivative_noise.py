@@ -20,7 +20,7 @@ import sys
 
 import torch
 from hf_accuracy import batches, corpus
-from late_phase import MODULES, start
+from late_phase import MODULES, recipe_arguments, start
 
 import actune
 from actune.convert import _LEVEL_ATTR
@@ -28,22 +28,15 @@ from actune.convert import _LEVEL_ATTR
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="gpt2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draws", type=int, default=24)
-    parser.add_argument("--switch", type=int, default=750)
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--cache", default=".late_phase")
     parser.add_argument("--top", type=int, default=4)
+    recipe_arguments(parser)
     args = parser.parse_args()
-    for key, value in dict(context=128, batch=16, lr=1e-3, warmup=100).items():
-        setattr(args, key, value)
     torch.set_num_threads(1)
     train_data, _ = corpus()
     base, _, _ = start(args, args.seed, train_data)
-    ids = next(batches(train_data, 16, 128, torch.Generator().manual_seed(5)))
+    ids = next(batches(train_data, args.batch, args.context, torch.Generator().manual_seed(5)))
     names = [n for n, _ in base.named_parameters()]
 
     def grads(model) -> list[torch.Tensor]:

@@ -124,12 +124,27 @@ def train(level: str, seed: int, args, train_data, val_data) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(seed)
     it = batches(train_data, args.batch, args.context, gen)
-    curve, t0 = [], time.perf_counter()
+    t0 = time.perf_counter()
     torch.manual_seed(seed + 1000)  # dropout and rounding streams
-    for step in range(1, args.steps + 1):
-        for group in opt.param_groups:  # warm-up, then cosine decay to a tenth
-            cosine = 0.55 + 0.45 * math.cos(math.pi * step / args.steps)
-            group["lr"] = args.lr * min(1.0, step / args.warmup) * cosine
+    curve = run_steps(model, opt, it, args, 1, args.steps, val_data, scope)
+    return {"level": level, "seed": seed, "curve": curve, "final": curve[-1][1],
+            "seconds": time.perf_counter() - t0}
+
+
+def learning_rate(args, step: int) -> float:
+    """The recipe's schedule: ``--warmup`` steps of warm-up, then cosine decay to a tenth."""
+    cosine = 0.55 + 0.45 * math.cos(math.pi * step / args.steps)
+    return args.lr * min(1.0, step / args.warmup) * cosine
+
+
+def run_steps(model, opt, it, args, first: int, last: int, val_data=None,
+              scope=contextlib.nullcontext) -> list:
+    """Steps ``first``..``last`` of the recipe (the forward and loss inside ``scope()``); the
+    validation loss every ``--every`` steps and at ``last`` when ``val_data`` is given."""
+    curve = []
+    for step in range(first, last + 1):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(args, step)
         ids = next(it)
         with scope():
             loss = model(input_ids=ids, labels=ids).loss
@@ -138,10 +153,9 @@ def train(level: str, seed: int, args, train_data, val_data) -> dict:
         if args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
-        if step % args.every == 0 or step == args.steps:
+        if val_data is not None and (step % args.every == 0 or step == last):
             curve.append((step, validate(model, val_data, args.context)))
-    return {"level": level, "seed": seed, "curve": curve, "final": curve[-1][1],
-            "seconds": time.perf_counter() - t0}
+    return curve
 
 
 def main() -> None:

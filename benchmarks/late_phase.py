@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from hf_accuracy import batches, corpus, model_of, validate
+from hf_accuracy import batches, corpus, model_of, run_steps, validate
 from rich.console import Console
 from rich.table import Table
 
@@ -48,27 +47,6 @@ REMOVABLE = {"gelu": ("gelu",), "sdpa": ("scaled_dot_product_attention",),
 #: ``NAMEbits``: which modules a width applies to (by the end of their names)
 MODULES = {"act": (".act", ".act_fn"), "norm": ("ln_1", "ln_2", "ln_f", "norm", "layernorm"),
            "head": ("lm_head",)}
-
-
-def lr_at(args, step: int) -> float:
-    cosine = 0.55 + 0.45 * math.cos(math.pi * step / args.steps)
-    return args.lr * min(1.0, step / args.warmup) * cosine
-
-
-def train(model, opt, it, args, first: int, last: int, val=None) -> list:
-    curve = []
-    for step in range(first, last + 1):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(args, step)
-        ids = next(it)
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if val is not None and (step % args.every == 0 or step == last):
-            curve.append((step, validate(model, val, args.context)))
-    return curve
 
 
 @contextlib.contextmanager
@@ -126,20 +104,17 @@ def start(args, seed: int, train_data):
         gen.set_state(state["gen"])
     else:
         torch.manual_seed(seed + 1000)
-        train(model, opt, batches(train_data, args.batch, args.context, gen), args, 1,
-              args.switch)
+        run_steps(model, opt, batches(train_data, args.batch, args.context, gen), args, 1,
+                  args.switch)
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                     "gen": gen.get_state()}, cache)
     return model, opt, gen
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The recipe's options and the cached state's (shared with derivative_noise.py)."""
     parser.add_argument("--family", default="gpt2")
-    parser.add_argument("--variants", default="L0,u8,L3,L3+act8")
-    parser.add_argument("--seeds", default="0", help="comma-separated model seeds")
-    parser.add_argument("--draws", type=int, default=2, help="rounding seeds per variant")
     parser.add_argument("--switch", type=int, default=750)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--layers", type=int, default=3)
@@ -148,9 +123,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--cache", default=".late_phase")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="L0,u8,L3,L3+act8")
+    parser.add_argument("--seeds", default="0", help="comma-separated model seeds")
+    parser.add_argument("--draws", type=int, default=2, help="rounding seeds per variant")
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--cache", default=".late_phase")
+    recipe_arguments(parser)
     parser.add_argument("--json", default=None)
     parser.add_argument("--load", default=None, help="comma-separated JSON files to print")
     args = parser.parse_args()
@@ -170,8 +154,8 @@ def main() -> None:
                     torch.manual_seed(draw + 77)
                     t0 = time.perf_counter()
                     first = [(args.switch, validate(model, val_data, args.context))]
-                    curve = first + train(model, opt, it, args, args.switch + 1, args.steps,
-                                          val_data)
+                    curve = first + run_steps(model, opt, it, args, args.switch + 1,
+                                              args.steps, val_data)
                 runs.append({"family": args.family, "seed": seed, "variant": name,
                              "draw": draw, "curve": curve,
                              "seconds": time.perf_counter() - t0})

@@ -73,8 +73,9 @@ def test_no_script_shadows_an_installed_module():
     assert len(scripts) > 10
     shadowing = []
     for path in scripts:
-        spec = importlib.util.find_spec(path.stem) if path.stem not in sys.modules else True
-        origin = getattr(spec, "origin", None) if spec is not True else "(loaded)"
-        if spec is not None and Path(str(origin)).parent != path.parent:
+        loaded = sys.modules.get(path.stem)
+        origin = (getattr(loaded, "__file__", None) if loaded is not None
+                  else getattr(importlib.util.find_spec(path.stem), "origin", None))
+        if origin is not None and Path(origin).parent != path.parent:
             shadowing.append(f"{path.relative_to(ROOT)} hides {origin}")
     assert not shadowing, shadowing
