@@ -102,6 +102,10 @@ DeviceProfileOpt = Annotated[str | None, typer.Option(
 CompileBackend = Annotated[str, typer.Option(
     "--compile-backend", help="torch.compile's backend with --compile (inductor; aot_eager "
     "compiles fast, for checking a set-up).")]
+CompileAnswer = Annotated[bool, typer.Option(
+    "--compile", help="Also answer for a step under torch.compile: one compiled step per "
+    "level measured on the CPU at a small batch, its peak related to the estimate's there "
+    "and the search run again with that ratio (docs/tuning.md).")]
 MarginOpt = Annotated[float | None, typer.Option(
     "--margin", min=0, max=50, help="Percent of the budget kept free. Default: 5 in "
     "estimates for a GPU, 0 otherwise.", show_default=False)]
@@ -267,6 +271,16 @@ def _setup(model_file: Path | None, model: str, levels: str, budget: str | None,
     return workload, level_list, settings
 
 
+def _compile_answers(settings, on: bool, backend: str) -> None:
+    """maxbatch / scale --compile: the backend the compiled answers use (checked first)."""
+    if on:
+        _check_backend(backend)
+        if settings.sharding is not None:
+            raise _UsageError("--compile measures one process's compiled step: drop "
+                              "--world-size")
+        settings.compile_backend = backend
+
+
 def _check_backend(name: str) -> None:
     """A torch.compile backend this torch has, or one paragraph naming those it has."""
     import torch._dynamo
@@ -400,6 +414,8 @@ def maxbatch(
     world_size: WorldSize = 1,
     shard: Shard = "fsdp",
     jobs: Jobs = None,
+    compile_: CompileAnswer = False,
+    compile_backend: CompileBackend = "inductor",
     plot: PlotOpt = None,
     json_path: JsonOpt = None,
     quiet: Quiet = False,
@@ -414,6 +430,7 @@ def maxbatch(
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
                                                 world_size, shard, jobs, hf, hf_class,
                                                 precision, device_profile, margin)
+        _compile_answers(settings, compile_, compile_backend)
         sizes = {"resolution": resolution} if resolution else {}
         t0 = time.perf_counter()
         report = _run_job(run.maxbatch, level_list, quiet, json_path, workload=workload,
@@ -448,6 +465,8 @@ def scale(
     world_size: WorldSize = 1,
     shard: Shard = "fsdp",
     jobs: Jobs = None,
+    compile_: CompileAnswer = False,
+    compile_backend: CompileBackend = "inductor",
     json_path: JsonOpt = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -459,6 +478,7 @@ def scale(
         workload, level_list, settings = _setup(model_file, model, levels, budget, mode,
                                                 world_size, shard, jobs, hf, hf_class,
                                                 precision, device_profile, margin)
+        _compile_answers(settings, compile_, compile_backend)
         workload.require(dim)
         _run_job(run.scale, level_list, quiet, json_path, workload=workload,
                  settings=settings, dim=dim, batch=batch,

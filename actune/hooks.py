@@ -194,6 +194,8 @@ class _Session:
         if parameter_like(t) or id(t) in self.references:
             return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.count(t) if counting else True
+        if self.op is None and self.stats_sink is not None and self._compiled_save(t, new):
+            return t  # what a compiled graph packed (see _compiled_save)
         if self.exact_ids and id(t) in self.exact_ids:
             return self._keep(t, new, f"{op_name(self.op)} broadcast operand")
         if t.dtype == torch.bool:
@@ -330,6 +332,24 @@ class _Session:
                     label = op_name(self.op) if self.op is not None else _OUTSIDE
                 stats.exact[label] = stats.exact.get(label, 0) + nbytes
         return t
+
+    def _compiled_save(self, t: torch.Tensor, new: bool) -> bool:
+        """Account ``t``, saved outside any op, as a compiled graph's packed codes (the
+        elements they stand for, as float32, in ``saved_bytes``) or their groups' statistics
+        (held, not an activation), if its shape says so (:func:`actune.traced.packed_origin`;
+        docs/training.md, "torch.compile"). Kept as it is either way."""
+        from actune.traced import group_statistic, packed_origin
+
+        origin = packed_origin(t, self.level.group_size)
+        if origin is None and not group_statistic(t):
+            return False
+        if new:
+            stats, nbytes = self.stats, t.numel() * t.element_size()
+            stats.saved_bytes += origin[0] * 4 - nbytes if origin else -nbytes
+            stats.kept_bytes += nbytes
+            stats.packed += origin is not None
+            stats.by_kind["compiled"] = stats.by_kind.get("compiled", 0) + nbytes
+        return True
 
     def keep_exact(self, t: torch.Tensor, label: str) -> torch.Tensor:
         """Keep ``t`` exact on purpose (a substituted function's choice), named ``label``."""

@@ -59,6 +59,12 @@ class LevelResult:
     # a GPU's reserved peak (max_memory_reserved): predicted by a device profile's allocator
     # model in an estimate, measured on a GPU; None where not known
     reserved_bytes: int | None = None
+    # maxbatch / scale --compile: compiled steps measured on the CPU at two batches against
+    # the eager estimate there (how much the compiled peak grows per byte the estimate does),
+    # and the answer for a compiled step (actune.tune.compiled)
+    compiled_ratio: float | None = None
+    compiled_value: float | None = None
+    compiled_batches: list | None = None
 
     @property
     def compression(self) -> float | None:
@@ -182,6 +188,21 @@ CPU_MEASURE_CAVEAT = ("measured on the CPU: tensors only; oneDNN's internal copi
                       "top (docs/tuning.md)")
 
 
+def _compiled_lines(report: Report) -> list[str]:
+    """maxbatch / scale --compile: what the answers become for a compiled step."""
+    rows = [r for r in report.levels if r.compiled_ratio is not None]
+    if not rows:
+        return []
+    ratios = ", ".join(f"{r.level} {r.compiled_ratio:.2f}x" for r in rows)
+    answers = ", ".join(f"{r.level} {_fmt_value(report.dim, r.compiled_value)}"
+                        if r.compiled_value else f"{r.level} none" for r in rows)
+    label = "batch" if report.dim == "batch" else report.dim
+    at = "; ".join(sorted({" and ".join(f"{b:,}" for b in r.compiled_batches) for r in rows}))
+    return [f"torch.compile (steps measured on the CPU at batches {at}): the compiled peak "
+            f"grows {ratios} as fast as the eager estimate; largest {label} compiled: "
+            f"{answers}"]
+
+
 def render(report: Report, console: Console) -> None:
     """Print ``report`` as a table, with the device and budget in the title (where the
     budget comes from on a line under the table: the title stays within 80 columns)."""
@@ -239,6 +260,7 @@ def render(report: Report, console: Console) -> None:
                                               for where, levels in places.items()))
     lines += [f"{r.level} {describe_exact(r.kept_exact)}" for r in report.levels
               if sum(r.kept_exact.values()) >= 2**20]  # (under 1 MiB: not worth a line)
+    lines += _compiled_lines(report)
     if report.mode == "estimate" and report.device_profile:  # what the figures rest on
         lines.append(GPU_MODEL_CAVEAT.format(profile=report.device_profile))
         split = [r for r in report.levels

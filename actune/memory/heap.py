@@ -8,7 +8,10 @@ above what was held when it started.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
 
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
@@ -16,9 +19,26 @@ from torch.profiler import ProfilerActivity, profile
 __all__ = ["allocation_peak"]
 
 
-def allocation_peak(fn: Callable[[], object]) -> int:
-    """Bytes: the highest sum of live allocations made during ``fn()`` (the profiler's view)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+@contextlib.contextmanager
+def _stderr_closed() -> Iterator[None]:
+    """File descriptor 2 on the null device (the profiler's C++ side prints a line as it
+    starts and one as it stops)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def allocation_peak(fn: Callable[[], object], quiet: bool = False) -> int:
+    """Bytes: the highest sum of live allocations made during ``fn()`` (the profiler's view).
+    ``quiet``: without the profiler's own lines on stderr (a command's output)."""
+    with _stderr_closed() if quiet else contextlib.nullcontext(), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:

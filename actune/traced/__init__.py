@@ -9,11 +9,11 @@ import warnings
 
 import torch
 
-from actune.traced.pack import Packed, pack, packed_bytes, unpack
+from actune.traced.pack import Packed, group_statistic, pack, packed_bytes, packed_origin, unpack
 from actune.traced.rules import TRACED, TracedMode, dispatch
 
-__all__ = ["TRACEABLE", "TRACED", "Packed", "TracedMode", "dispatch", "pack", "packed_bytes",
-           "traced", "unpack"]
+__all__ = ["TRACEABLE", "TRACED", "Packed", "TracedMode", "dispatch", "group_statistic", "pack",
+           "packed_bytes", "packed_origin", "traced", "unpack"]
 
 #: Does this torch's Dynamo trace function modes and autograd functions into one graph (2.6
 #: and later; 2.13 is what the tests run)? Older ones run compressed layers eagerly.

@@ -21,7 +21,8 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune_kernels.scalar import MASK32, MUL1, MUL2
 
-__all__ = ["Packed", "pack", "pack_range", "packed_bytes", "unpack", "unpack_range"]
+__all__ = ["Packed", "group_statistic", "pack", "pack_range", "packed_bytes", "packed_origin",
+           "unpack", "unpack_range"]
 
 
 class Packed(NamedTuple):
@@ -149,3 +150,22 @@ def packed_bytes(numel: int, bits: int, group_size: int = 256) -> int:
     """Bytes :func:`pack` keeps for ``numel`` elements: codes plus two floats per group."""
     groups = -(-numel // group_size)
     return groups * (group_size * bits // 8 + 8)
+
+
+def packed_origin(t: torch.Tensor, group_size: int = 256) -> tuple[int, int] | None:
+    """``(elements, bits)`` that ``t`` stands for if it is codes :func:`pack` or
+    :func:`pack_range` made (uint8, ``group_size * bits // 8`` bytes a group along dim 1), read
+    off its shape; else None. How a compiled graph's saved tensors are told apart: at run time
+    they carry nothing else."""
+    if t.dtype != torch.uint8 or t.dim() < 2 or (8 * t.shape[1]) % group_size:
+        return None
+    bits = 8 * t.shape[1] // group_size
+    if bits not in (1, 2, 4, 8):
+        return None
+    return t.numel() * 8 // bits, bits
+
+
+def group_statistic(t: torch.Tensor) -> bool:
+    """Is ``t`` shaped as :func:`pack`'s per-group minimum or step (float, one value per group
+    along dim 1)?"""
+    return t.is_floating_point() and t.dim() >= 2 and t.shape[1] == 1

@@ -43,9 +43,10 @@ def _register(*funcs: Callable) -> Callable[[Handler], Handler]:
 
 
 def _activation(t, level: Level) -> bool:
-    """A floating tensor computed in the graph (not a leaf such as a weight), large enough."""
-    return (isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_leaf
-            and t.numel() >= level.min_numel)
+    """A floating tensor large enough, computed in the graph or given to it (a batch), not a
+    leaf that records gradients (a weight)."""
+    return (isinstance(t, torch.Tensor) and t.is_floating_point()
+            and not (t.is_leaf and t.requires_grad) and t.numel() >= level.min_numel)
 
 
 @_register(F.linear)
@@ -201,10 +202,19 @@ _register(F.conv3d)(_conv(3))
 @_register(F.relu, torch.relu, torch.Tensor.relu)
 def _relu(level, args, kwargs):
     x = args[0]
-    if (not level.masks or not _activation(x, level) or len(args) > 1
-            or arg(args, kwargs, 1, "inplace", False)):
+    if not level.masks or not _activation(x, level) or len(args) > 2:
         return None
-    return MaskedReLU.apply(x)
+    out = MaskedReLU.apply(x)
+    # in place (``nn.ReLU(inplace=True)``): the result written over the input, as PyTorch's
+    # op does; left to PyTorch, it saves its output whole, and Inductor once gave that
+    # output's mask a layout its backward did not expect (ResNet-18 at 64 x 64)
+    return x.copy_(out) if arg(args, kwargs, 1, "inplace", False) else out
+
+
+@_register(F.relu_, torch.relu_, torch.Tensor.relu_)
+def _relu_inplace(level, args, kwargs):
+    out = _relu(level, args[:1], {})
+    return None if out is None else args[0].copy_(out)
 
 
 @_register(F.batch_norm)

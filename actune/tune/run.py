@@ -25,6 +25,7 @@ from actune.precision import scaler as precision_scaler
 from actune.report import LevelResult, Report
 from actune.tune.alternatives import Config, get_config
 from actune.tune.ceiling import parameter_bytes, parameter_state_ceiling
+from actune.tune.compiled import calibrate, compiled_answer
 from actune.tune.parallel import available_workers, run_searches
 from actune.tune.probe import Trial, prepare, warm_up
 from actune.tune.search import Probe, largest_fitting
@@ -48,6 +49,8 @@ class Settings:
     jobs: int | None = None  # searches side by side (None: one per core); estimates only
     gpu: GpuModel | None = None  # an estimate for this GPU kind (its allocator, workspaces)
     margin: float = 0.0  # the share of the budget kept free (already taken off ``budget``)
+    # maxbatch / scale --compile: also answer for a compiled step with this backend
+    compile_backend: str | None = None
 
     def workers(self, searches: int) -> int:
         """How many searches run side by side: estimates of one device only (real steps
@@ -155,7 +158,48 @@ def maxbatch(workload: Workload, levels: list, settings: Settings, *,
                 lambda level, probed: _maxbatch_level(workload, level, settings, sizes, start,
                                                       multiple_of, maximum, probed),
                 warm=lambda level: settings.trial(workload, level, sizes))
+    if settings.compile_backend:
+        def probe_of(config: Config) -> Callable[[int], Probe]:
+            trial = settings.trial(workload, config, sizes)
+            return lambda n: trial.probe(n, settings.budget.bytes)
+        _add_compiled(report, workload, levels, settings, on_level, probe_of,
+                      lambda row: (sizes, min(start, int(row.value))),
+                      start=start, step=multiple_of, maximum=maximum)
     return report
+
+
+def _add_compiled(report: Report, workload: Workload, levels: list, settings: Settings,
+                  on_level: Callable | None, probe_of: Callable[[Config], Callable[[int], Probe]],
+                  where: Callable[[LevelResult], tuple[dict, int]], *, start: int, step: int,
+                  maximum: int | None, unit: float = 1) -> None:
+    """Each answered row's compiled figures (:mod:`actune.tune.compiled`): one compiled step
+    on the CPU at ``where(row)`` (sizes, batch) against the eager estimate there, then the
+    search again with that ratio. A configuration estimated as an earlier one shares its
+    figures; one that does not compile says so in its note."""
+    done: dict[Config, LevelResult] = {}
+    for config, row in zip((get_config(lv) for lv in levels), report.levels, strict=True):
+        twin = done.get(_estimated_as(config))
+        if twin is not None:
+            row.compiled_ratio, row.compiled_value, row.compiled_batches = (
+                twin.compiled_ratio, twin.compiled_value, twin.compiled_batches)
+            continue
+        if not row.value:
+            continue
+        sizes, batch = where(row)
+        try:
+            cal = calibrate(workload, config, sizes, batch,
+                            settings.compile_backend)
+        except Exception as err:  # (a configuration torch.compile cannot run, say)
+            row.note = "; ".join(n for n in (row.note, f"compiled step failed: "
+                                             f"{type(err).__name__}: {err}"[:160]) if n)
+            continue
+        value = compiled_answer(probe_of(config), cal, settings.budget.bytes, start=start,
+                                step=step, maximum=maximum)
+        row.compiled_ratio, row.compiled_batches = cal.ratio, list(cal.batches)
+        row.compiled_value = value * unit if value else None
+        done[_estimated_as(config)] = row
+        if on_level:
+            on_level(report)
 
 
 def _each_level(report: Report, levels: list, settings: Settings, on_level: Callable | None,
@@ -292,6 +336,16 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
                                                    start, step, cap, probed),
                 warm=lambda level: settings.trial(workload, level, {dim: start * unit}),
                 on_row=ceiling)
+    if settings.compile_backend:
+        def probe_of(config: Config) -> Callable[[int], Probe]:
+            def probe(n: int) -> Probe:
+                p = settings.trial(workload, config, {dim: n * unit}).probe(
+                    batch, settings.budget.bytes)
+                return dataclasses.replace(p, size=n)  # (the size searched: the dimension)
+            return probe
+        _add_compiled(report, workload, levels, settings, on_level, probe_of,
+                      lambda row: ({dim: start * unit}, min(batch, 8)),
+                      start=start, step=step, maximum=cap, unit=unit)
     return report
 
 

@@ -139,3 +139,22 @@ def test_bench_compile_adds_timed_compiled_rows(tmp_path):
     assert all(r["samples_per_s"] > 0 for r in rows)
     refused = CliRunner().invoke(app, ["bench", "--compile", "--at-max"])
     assert refused.exit_code == 2 and "--at-max" in refused.output
+
+
+def test_compression_stats_count_what_the_compiled_graph_packed():
+    """Under compressed(), a compiled step's CompressionStats see the partitioner's saved
+    tensors: the packed codes as the activations they stand for, nothing left exact."""
+    make, batch = MODELS["mlp"]
+    model, x = make(), batch()
+    eager, got = [], []
+    with actune.compressed("L3", stats=eager.append):
+        _projection(model(x)).backward()
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.reset()
+    for _ in range(2):
+        with actune.compressed("L3", stats=got.append):
+            _projection(compiled(x)).backward()
+    e, c = eager[-1], got[-1]
+    assert e.packed >= 6 and abs(c.packed - e.packed) <= 2 and c.by_kind["compiled"] > 0
+    assert abs(c.saved_bytes - e.saved_bytes) <= 0.05 * e.saved_bytes
+    assert c.ratio > 0.8 * e.ratio > 8 and not c.exact

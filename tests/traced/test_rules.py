@@ -89,6 +89,10 @@ def _case(name):
             (r(4, 3, 16, 16), r(8, 3, 3, 3, weight=True), r(8))
     if name == "relu":
         return (lambda x: F.relu(x)), (r(8, 300),)
+    if name == "relu_inplace":  # (nn.ReLU(inplace=True)): the result written over its input
+        return (lambda x: F.relu(x * 1, inplace=True)), (r(8, 300),)
+    if name == "relu_":
+        return (lambda x: torch.relu_(x * 1)), (r(8, 300),)
     if name == "batch_norm":
         return (lambda x, w, b: F.batch_norm(x, None, None, w, b, True)), \
             (r(8, 4, 8, 8), r(4), r(4))
@@ -97,7 +101,7 @@ def _case(name):
 
 CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "layer_norm", "rms_norm",
          "softmax", "mul", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv", "relu",
-         "batch_norm")
+         "relu_inplace", "relu_", "batch_norm")
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -131,8 +135,13 @@ def test_the_rules_run_where_they_apply():
         fn, inputs = _case(name)
         with TracedMode(_level(2)):
             y = fn(*_activations(inputs))
-        assert type(y.grad_fn).__name__.startswith(("Packed", "TwoCopy", "Gated", "Masked")), \
-            (name, type(y.grad_fn).__name__)
+        node = y.grad_fn
+        if name in ("relu_inplace", "relu_"):  # the copy over the input, then the rule
+            assert type(node).__name__ == "CopyBackwards", name
+            node = next(f for f, _ in node.next_functions if f is not None
+                        and "Masked" in type(f).__name__)
+        assert type(node).__name__.startswith(("Packed", "TwoCopy", "Gated", "Masked")), \
+            (name, type(node).__name__)
 
 
 def test_leaves_and_small_tensors_keep_the_op():
