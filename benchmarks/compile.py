@@ -97,6 +97,10 @@ def main() -> None:
     parser.add_argument("--no-horizontal-fusion", action="store_true",
                         help="Inductor's cpp.max_horizontal_fusion_size = 1 (for every "
                              "compiled variant)")
+    parser.add_argument("--no-layout-optimization", action="store_true",
+                        help="Inductor's layout_optimization = False (for every compiled "
+                             "variant): no channels-last copies of convolutions' weights and "
+                             "activations")
     parser.add_argument("--models", default=None,
                         help="comma-separated words picking models by title (default: all)")
     args = parser.parse_args()
@@ -107,6 +111,9 @@ def main() -> None:
     if args.no_horizontal_fusion:
         import torch._inductor.config as inductor_config
         inductor_config.cpp.max_horizontal_fusion_size = 1
+    if args.no_layout_optimization:
+        import torch._inductor.config as inductor_config
+        inductor_config.layout_optimization = False
     for title, make in chosen.items():
         steps, breaks = {}, {}
         for compiled in (False, True):

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from actune.traced.pack import pack, unpack
+from actune.traced.pack import pack, random_key, uniform, unpack
 
 __all__ = ["PackedAttention", "PackedCrossEntropy"]
 
@@ -24,48 +24,84 @@ class PackedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal: bool, scale, qk_bits: int, v_bits: int,
-                group_size: int):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-            enable_gqa=q.shape[-3] != k.shape[-3])
-        ctx.meta = (q.shape, k.shape, v.shape, q.dtype, is_causal,
-                    scale if scale is not None else 1 / math.sqrt(q.shape[-1]), qk_bits,
-                    v_bits, group_size, mask is not None)
+                group_size: int, dropout_p: float = 0.0):
+        scale = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+        if dropout_p:  # the map, with a dropout mask drawn from a key backward draws again
+            key = random_key(q.device)
+            out = _dropped(_map(q.float(), k.float(), mask, is_causal, scale), key,
+                           dropout_p) @ _heads(v.float(), q.shape[-3])
+            out = out.to(q.dtype)
+        else:
+            key = None
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                enable_gqa=q.shape[-3] != k.shape[-3])
+        ctx.meta = (q.shape, k.shape, v.shape, q.dtype, is_causal, scale, qk_bits, v_bits,
+                    group_size, mask is not None, dropout_p)
         ctx.save_for_backward(*pack(q, qk_bits, group_size), *pack(k, qk_bits, group_size),
                               *pack(v, v_bits, group_size),
-                              *(() if mask is None else (mask,)))
+                              *(() if mask is None else (mask,)),
+                              *(() if key is None else (key,)))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q_shape, k_shape, v_shape, dtype, causal, scale, qk_bits, v_bits, gs, has_mask = ctx.meta
+        (q_shape, k_shape, v_shape, dtype, causal, scale, qk_bits, v_bits, gs, has_mask,
+         dropout_p) = ctx.meta
         s = ctx.saved_tensors
-        q = unpack(s[0:3], qk_bits, q_shape, torch.float32, gs)
+        # q read through the incoming gradient (plus zero times one of its elements): what
+        # follows depends on backward's input, so AOTAutograd's partitioner cannot move the
+        # map's recomputation into the forward and save the map and q, k, v unpacked, whole
+        q = unpack(s[0:3], qk_bits, q_shape, torch.float32, gs) + grad.reshape(-1)[0] * 0
         k = unpack(s[3:6], qk_bits, k_shape, torch.float32, gs)
         v = unpack(s[6:9], v_bits, v_shape, torch.float32, gs)
         groups = q_shape[-3] // k_shape[-3]
-        if groups > 1:  # grouped-query attention: each k/v head serves `groups` q heads
-            k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
-        scores = q @ k.transpose(-2, -1) * scale
-        if causal:
-            t, u = scores.shape[-2], scores.shape[-1]
-            keep = torch.ones(t, u, dtype=torch.bool, device=scores.device).tril(u - t)
-            scores = scores.masked_fill(~keep, float("-inf"))
-        if has_mask:
-            mask = s[9]
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
-                else scores + mask.float()
-        p = torch.softmax(scores, -1)
+        k, v = _heads(k, q_shape[-3]), _heads(v, q_shape[-3])
+        p = _map(q, k, s[9] if has_mask else None, causal, scale)
         g = grad.float()
-        dv = p.transpose(-2, -1) @ g
-        dp = g @ v.transpose(-2, -1)
+        if dropout_p:
+            keep = uniform(p, s[-1]) >= dropout_p
+            dv = _dropped(p, s[-1], dropout_p, keep).transpose(-2, -1) @ g
+            dp = (g @ v.transpose(-2, -1)) * keep / (1 - dropout_p)
+        else:
+            dv = p.transpose(-2, -1) @ g
+            dp = g @ v.transpose(-2, -1)
         ds = p * (dp - (dp * p).sum(-1, keepdim=True))
         dq = (ds @ k) * scale
         dk = (ds.transpose(-2, -1) @ q) * scale
         if groups > 1:
             dk = dk.unflatten(-3, (k_shape[-3], groups)).sum(-3)
             dv = dv.unflatten(-3, (k_shape[-3], groups)).sum(-3)
-        return (dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None)
+        return (dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None,
+                None)
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v with each head repeated for the q heads it serves (grouped-query attention)."""
+    groups = heads // t.shape[-3]
+    return t.repeat_interleave(groups, -3) if groups > 1 else t
+
+
+def _map(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+         scale: float) -> torch.Tensor:
+    """``softmax(q k^T * scale)`` with the causal flag and a boolean or additive mask."""
+    scores = q @ _heads(k, q.shape[-3]).transpose(-2, -1) * scale
+    if causal:
+        t, u = scores.shape[-2], scores.shape[-1]
+        keep = torch.ones(t, u, dtype=torch.bool, device=scores.device).tril(u - t)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+            else scores + mask.float()
+    return torch.softmax(scores, -1)
+
+
+def _dropped(p: torch.Tensor, key: torch.Tensor, dropout_p: float,
+             keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The map with dropout: entries kept where the key's uniform numbers reach ``dropout_p``,
+    scaled by ``1 / (1 - dropout_p)``."""
+    keep = uniform(p, key) >= dropout_p if keep is None else keep
+    return p * keep / (1 - dropout_p)
 
 
 class PackedCrossEntropy(torch.autograd.Function):

@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: N812
 from actune_kernels.scalar import MASK32, MUL1, MUL2
 
 __all__ = ["Packed", "group_statistic", "pack", "pack_range", "packed_bytes", "packed_origin",
-           "unpack", "unpack_range"]
+           "random_key", "uniform", "unpack", "unpack_range"]
 
 
 class Packed(NamedTuple):
@@ -50,7 +50,18 @@ def _groups(x: torch.Tensor, group_size: int, by_feature: bool) -> torch.Tensor:
     return flat.reshape(-1, group_size)
 
 
-def _uniform(like: torch.Tensor) -> torch.Tensor:
+def random_key(device: torch.device) -> torch.Tensor:
+    """A fresh key for :func:`uniform` from the graph's generator (a 0-d int64 tensor)."""
+    return torch.randint(0, 2**31, (), dtype=torch.int64, device=device)
+
+
+def uniform(like: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """:func:`_uniform`'s numbers for ``key``: the same key gives the same numbers (a dropout
+    mask made again in backward from its key, nothing stored)."""
+    return _uniform(like, key)
+
+
+def _uniform(like: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
     """Uniform numbers in [0, 1) on a 2**-24 grid, one per element of ``like``: the Numba
     kernels' counter-based stream (a 32-bit hash of the element's index and a key, 24 bits
     kept; ``actune_kernels.scalar.random24_u32``), with a fresh key from the graph's generator
@@ -60,7 +71,8 @@ def _uniform(like: torch.Tensor) -> torch.Tensor:
     integer temporaries, 8 bytes an element, while it runs."""
     wide = like.numel() >= 2**31
     itype = torch.int64 if wide else torch.int32
-    key = torch.randint(0, 2**31, (), dtype=itype, device=like.device)
+    key = (torch.randint(0, 2**31, (), dtype=itype, device=like.device) if key is None
+           else key.to(itype))
     x = torch.arange(like.numel(), dtype=itype, device=like.device).reshape(like.shape) ^ key
     if wide:
         x = x & MASK32

@@ -154,13 +154,13 @@ def _attention(level, args, kwargs):
     dropout = arg(args, kwargs, 4, "dropout_p", 0.0)
     causal = bool(arg(args, kwargs, 5, "is_causal", False))
     scale = arg(args, kwargs, 6, "scale", None)
-    if (level.nonlinear_bits is None or level.sensitive_width is None or dropout
+    if (level.nonlinear_bits is None or level.sensitive_width is None
             or not all(_activation(t, level) for t in (q, k, v))
             or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.requires_grad))
             or q.dim() != 4 or q.shape[-3] % k.shape[-3]):
         return None
     return PackedAttention.apply(q, k, v, mask, causal, scale, level.nonlinear_bits,
-                                 level.sensitive_width, level.group_size)
+                                 level.sensitive_width, level.group_size, float(dropout))
 
 
 @_register(F.cross_entropy)

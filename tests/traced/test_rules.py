@@ -216,3 +216,30 @@ def test_the_graphs_random_stream_is_the_kernels():
     ref = np.array([stream(key, np.uint32(i)) for i in range(3000)]) / 2**24
     assert np.array_equal(u.flatten().numpy(), ref.astype(np.float32))
     assert abs(u.mean().item() - 0.5) < 0.02 and u.min() >= 0 and u.max() < 1
+
+
+def test_attention_dropout_replays_its_mask_in_backward(monkeypatch):
+    """With dropout the traced attention draws its mask from a key and draws it again in
+    backward: at 8 bits its gradients are those of the same masked attention computed exactly,
+    at 2 bits their mean over rounding draws approaches them (a fixed key here)."""
+    import actune.traced.attention as attention
+
+    key = torch.tensor(12345)
+    monkeypatch.setattr(attention, "random_key", lambda device: key)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 32, 16, generator=gen).requires_grad_() for _ in range(3))
+    g = torch.randn(2, 4, 32, 16, generator=torch.Generator().manual_seed(5))  # as _grads's
+
+    def fn(a, b, c):
+        return F.scaled_dot_product_attention(a, b, c, dropout_p=0.25, is_causal=True)
+
+    exact = torch.autograd.grad(attention._dropped(attention._map(q, k, None, True, 0.25), key,
+                                                   0.25) @ v, (q, k, v), g)
+    dropped = attention._dropped(torch.ones(2, 4, 32, 32), key, 0.25)
+    assert 0.2 < (dropped == 0).float().mean() < 0.3  # a quarter of the map dropped
+    eight = _grads(fn, (q, k, v), _level(8), draws=1)
+    for e, s in zip(exact, eight, strict=True):
+        assert (s[0] - e).norm() <= 0.03 * e.norm()
+    two = _grads(fn, (q, k, v), _level(2), draws=64)
+    for e, d in zip(exact, two, strict=True):
+        assert (d.mean(0) - e).norm() < 0.5 * (d[:4].mean(0) - e).norm()
