@@ -65,6 +65,7 @@ class LevelResult:
     compiled_ratio: float | None = None
     compiled_value: float | None = None
     compiled_batches: list | None = None
+    compiled_checked: bool = False  # a compiled step at compiled_value measured to fit
 
     @property
     def compression(self) -> float | None:
@@ -195,6 +196,7 @@ def _compiled_lines(report: Report) -> list[str]:
         return []
     ratios = ", ".join(f"{r.level} {r.compiled_ratio:.2f}x" for r in rows)
     answers = ", ".join(f"{r.level} {_fmt_value(report.dim, r.compiled_value)}"
+                        f"{' (measured)' if r.compiled_checked else ' (extrapolated)'}"
                         if r.compiled_value else f"{r.level} none" for r in rows)
     label = "batch" if report.dim == "batch" else report.dim
     at = "; ".join(sorted({" and ".join(f"{b:,}" for b in r.compiled_batches) for r in rows}))

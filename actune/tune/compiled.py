@@ -23,37 +23,48 @@ from actune.tune.probe import Trial, prepare
 from actune.tune.search import Probe, largest_fitting
 from actune.tune.workload import Workload
 
-__all__ = ["Calibration", "calibrate", "compiled_answer", "compiled_peak", "scaled"]
+__all__ = ["Answer", "Calibration", "Point", "calibrate", "compiled_answer", "compiled_peak",
+           "measure_point", "scaled"]
 
-#: The larger calibration batch grows until the estimate grows this much between the two
-#: (constant buffers then weigh little in the ratio), or the CPU step would pass the cap.
-GROWTH = 16 * 2**20
+#: The CPU steps stay within this: the larger calibration batch doubles towards the eager
+#: answer while its estimate does, and an answer beyond it is extrapolated, not checked.
 CPU_CAP = 2 * 2**30
+#: Searches on a corrected line after a checked answer did not fit.
+REFINE = 3
+
+
+@dataclass(frozen=True)
+class Point:
+    """A compiled step against the eager estimate at one batch and sizes: what each holds
+    beyond the parameter state (parameters, gradients, optimizer state; the estimate's)."""
+
+    batch: int
+    estimate: int
+    measured: int
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Compiled steps against the eager estimate at two batches, same sizes: ``batches``,
-    the estimate's peaks and the compiled steps' peaks there (bytes), and the estimate's
-    parameter state (parameters, gradients, optimizer state) at those sizes."""
+    """The line through two :class:`Point` s: a compiled step's peak from an estimate's."""
 
-    batches: tuple[int, int]
-    estimate: tuple[int, int]
-    measured: tuple[int, int]
-    fixed: int
+    low: Point
+    high: Point
+
+    @property
+    def batches(self) -> tuple[int, int]:
+        return self.low.batch, self.high.batch
 
     @property
     def ratio(self) -> float:
         """How much the compiled peak grows per byte the estimate grows."""
-        return (self.measured[1] - self.measured[0]) / max(1, self.estimate[1] - self.estimate[0])
+        rise = self.high.estimate - self.low.estimate
+        return (self.high.measured - self.low.measured) / rise if rise else 1.0
 
     def predict(self, peak: int, fixed: int) -> int:
-        """A compiled step's peak, from an estimate's ``peak`` holding ``fixed`` bytes of
-        parameter state: the compiled peak at the first batch, plus ``ratio`` times how far
-        the estimate is from its own there, the parameter state's change counted once
-        (it is the same in both steps: a scale search's deeper or wider model)."""
-        more = fixed - self.fixed
-        return self.measured[0] + round(self.ratio * (peak - self.estimate[0] - more)) + more
+        """A compiled step's peak from an estimate's ``peak`` holding ``fixed`` bytes of
+        parameter state (counted once: the same in both steps)."""
+        return fixed + self.low.measured + round(
+            self.ratio * (peak - fixed - self.low.estimate))
 
 
 def _held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -91,22 +102,34 @@ def compiled_peak(workload: Workload, config: Config, sizes: dict, batch: int,
         return _held_bytes(model, opt) + allocation_peak(step, quiet=True)
 
 
+def measure_point(workload: Workload, config: Config, sizes: dict, batch: int,
+                  backend: str = "inductor") -> Point | None:
+    """A compiled step against the eager estimate (fake tensors, the CPU) at ``batch`` and
+    ``sizes``; None where the estimate passes :data:`CPU_CAP`."""
+    est = Trial(workload, config, sizes, "estimate", "cpu").peak(batch)
+    if est.total > CPU_CAP:
+        return None
+    fixed = est.parameters + est.gradients + est.optimizer
+    return Point(batch, est.total - fixed,
+                 compiled_peak(workload, config, sizes, batch, backend) - fixed)
+
+
 def calibrate(workload: Workload, config: Config, sizes: dict, batch: int,
               backend: str = "inductor", largest: int | None = None) -> Calibration:
-    """Compiled steps against the eager estimate (fake tensors, the CPU) at ``sizes``, at
-    ``batch`` and at a larger batch (doubled until the estimate grows by :data:`GROWTH`,
-    within :data:`CPU_CAP` and ``largest``)."""
+    """The line through compiled steps at ``batch`` and at a larger batch: doubled while it
+    stays within ``largest`` (the eager answer: the line is read near it) and its estimate
+    within :data:`CPU_CAP`."""
     trial = Trial(workload, config, sizes, "estimate", "cpu")
-    first = trial.peak(batch)  # (its parameter state counted as a probe counts it)
     second = batch * 2
     while (largest is None or second * 2 <= largest) \
-            and trial.peak(second).total - first.total < GROWTH \
             and trial.peak(second * 2).total <= CPU_CAP:
         second *= 2
-    est = (first.total, trial.peak(second).total)
-    measured = tuple(compiled_peak(workload, config, sizes, b, backend) for b in (batch, second))
-    return Calibration((batch, second), est, measured,
-                       first.parameters + first.gradients + first.optimizer)
+    low = measure_point(workload, config, sizes, batch, backend)
+    high = measure_point(workload, config, sizes, second, backend)
+    if low is None or high is None:
+        raise ValueError(f"a compiled step at batch {batch} would pass the CPU's "
+                         f"{CPU_CAP / 2**30:g} GiB: nothing to measure")
+    return Calibration(low, high)
 
 
 def scaled(probe: Callable[[int], Probe], calibration: Calibration,
@@ -123,9 +146,36 @@ def scaled(probe: Callable[[int], Probe], calibration: Calibration,
     return run
 
 
-def compiled_answer(probe: Callable[[int], Probe], calibration: Calibration, budget: int, *,
-                    start: int, step: int, maximum: int | None) -> int | None:
+@dataclass(frozen=True)
+class Answer:
+    """The compiled step's largest size, the line it was read off, and whether a compiled
+    step at that size was measured to fit (else extrapolated past :data:`CPU_CAP`)."""
+
+    value: int | None
+    calibration: Calibration
+    checked: bool
+
+
+def compiled_answer(probe: Callable[[int], Probe], calibration: Calibration, budget: int,
+                    check: Callable[[int], Point | None], *, start: int, step: int,
+                    maximum: int | None) -> Answer:
     """The largest size whose compiled step fits ``budget``: the search of ``probe`` (an
-    estimate) through :func:`scaled`."""
-    return largest_fitting(scaled(probe, calibration, budget), start=start, step=step,
-                           maximum=maximum, budget=budget).value
+    estimate) through :func:`scaled`, then a compiled step at the answer (``check``); where it
+    does not fit, the line through the two largest measured points and the search again, at
+    most :data:`REFINE` times. An answer past the CPU's cap is not checked."""
+    cal = calibration
+    for _ in range(REFINE):
+        value = largest_fitting(scaled(probe, cal, budget), start=start, step=step,
+                                maximum=maximum, budget=budget).value
+        if value is None:
+            return Answer(None, cal, False)
+        point = check(value)
+        if point is None:
+            return Answer(value, cal, False)
+        if point.measured + (probe(value).fixed or 0) <= budget:
+            return Answer(value, cal, True)
+        if point.batch in cal.batches:
+            break
+        largest = max(cal.low, cal.high, key=lambda p: p.batch)
+        cal = Calibration(*sorted((largest, point), key=lambda p: p.batch))
+    return Answer(None, cal, False)

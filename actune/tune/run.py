@@ -25,7 +25,7 @@ from actune.precision import scaler as precision_scaler
 from actune.report import LevelResult, Report
 from actune.tune.alternatives import Config, get_config
 from actune.tune.ceiling import parameter_bytes, parameter_state_ceiling
-from actune.tune.compiled import calibrate, compiled_answer
+from actune.tune.compiled import calibrate, compiled_answer, measure_point
 from actune.tune.parallel import available_workers, run_searches
 from actune.tune.probe import Trial, prepare, warm_up
 from actune.tune.search import Probe, largest_fitting
@@ -163,40 +163,47 @@ def maxbatch(workload: Workload, levels: list, settings: Settings, *,
             trial = settings.trial(workload, config, sizes)
             return lambda n: trial.probe(n, settings.budget.bytes)
         _add_compiled(report, workload, levels, settings, on_level, probe_of,
-                      lambda row: (sizes, min(start, int(row.value))),
-                      start=start, step=multiple_of, maximum=maximum)
+                      lambda row: (sizes, min(start, int(row.value)), int(row.value)),
+                      lambda n: (sizes, n), start=start, step=multiple_of, maximum=maximum)
     return report
 
 
 def _add_compiled(report: Report, workload: Workload, levels: list, settings: Settings,
                   on_level: Callable | None, probe_of: Callable[[Config], Callable[[int], Probe]],
-                  where: Callable[[LevelResult], tuple[dict, int]], *, start: int, step: int,
+                  where: Callable[[LevelResult], tuple[dict, int, int | None]],
+                  sizes_of: Callable[[int], tuple[dict, int]], *, start: int, step: int,
                   maximum: int | None, unit: float = 1) -> None:
-    """Each answered row's compiled figures (:mod:`actune.tune.compiled`): one compiled step
-    on the CPU at ``where(row)`` (sizes, batch) against the eager estimate there, then the
-    search again with that ratio. A configuration estimated as an earlier one shares its
-    figures; one that does not compile says so in its note."""
+    """Each answered row's compiled figures (:mod:`actune.tune.compiled`): compiled steps on
+    the CPU at ``where(row)`` (sizes, first batch, the largest batch to calibrate at) against
+    the eager estimate there, the search again on that line, and a compiled step at the
+    answer (``sizes_of(size)``: its sizes and batch). A configuration estimated as an
+    earlier one shares its figures; one that does not compile says so in its note."""
     done: dict[Config, LevelResult] = {}
+    backend = settings.compile_backend
     for config, row in zip((get_config(lv) for lv in levels), report.levels, strict=True):
         twin = done.get(_estimated_as(config))
         if twin is not None:
-            row.compiled_ratio, row.compiled_value, row.compiled_batches = (
-                twin.compiled_ratio, twin.compiled_value, twin.compiled_batches)
+            for name in ("compiled_ratio", "compiled_value", "compiled_batches",
+                         "compiled_checked"):
+                setattr(row, name, getattr(twin, name))
             continue
         if not row.value:
             continue
-        sizes, batch = where(row)
+        sizes, batch, largest = where(row)
         try:
-            cal = calibrate(workload, config, sizes, batch,
-                            settings.compile_backend)
+            cal = calibrate(workload, config, sizes, batch, backend, largest)
+            answer = compiled_answer(
+                probe_of(config), cal, settings.budget.bytes,
+                lambda n, c=config: measure_point(workload, c, *sizes_of(n), backend),
+                start=start, step=step, maximum=maximum)
         except Exception as err:  # (a configuration torch.compile cannot run, say)
             row.note = "; ".join(n for n in (row.note, f"compiled step failed: "
                                              f"{type(err).__name__}: {err}"[:160]) if n)
             continue
-        value = compiled_answer(probe_of(config), cal, settings.budget.bytes, start=start,
-                                step=step, maximum=maximum)
-        row.compiled_ratio, row.compiled_batches = cal.ratio, list(cal.batches)
-        row.compiled_value = value * unit if value else None
+        row.compiled_ratio, row.compiled_batches = answer.calibration.ratio, [batch, *[
+            b for b in answer.calibration.batches if b != batch]]
+        row.compiled_value = answer.value * unit if answer.value else None
+        row.compiled_checked = answer.checked
         done[_estimated_as(config)] = row
         if on_level:
             on_level(report)
@@ -344,8 +351,9 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
                 return dataclasses.replace(p, size=n)  # (the size searched: the dimension)
             return probe
         _add_compiled(report, workload, levels, settings, on_level, probe_of,
-                      lambda row: ({dim: start * unit}, min(batch, 8)),
-                      start=start, step=step, maximum=cap, unit=unit)
+                      lambda row: ({dim: start * unit}, min(batch, 8), batch),
+                      lambda n: ({dim: n * unit}, batch), start=start, step=step,
+                      maximum=cap, unit=unit)
     return report
 
 

@@ -130,7 +130,8 @@ def test_bench_compile_adds_timed_compiled_rows(tmp_path):
 
     out = tmp_path / "b.json"
     result = CliRunner().invoke(app, ["bench", "--model", "tinycnn", "--levels", "L0,L3",
-                                      "--compile", "--steps", "1", "--warmup", "1",
+                                      "--compile", "--compile-backend", "aot_eager",
+                                      "--steps", "1", "--warmup", "1",
                                       "--batch", "8", "--budget", "64MiB", "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["levels"]

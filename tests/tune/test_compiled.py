@@ -5,28 +5,51 @@ import json
 from typer.testing import CliRunner
 
 from actune.cli import app
-from actune.tune.compiled import Calibration, compiled_answer, scaled
+from actune.tune.compiled import Calibration, Point, compiled_answer, scaled
 from actune.tune.search import Probe
 
-CAL = Calibration(batches=(8, 64), estimate=(100, 1100), measured=(150, 650), fixed=50)
+# what grows beyond the parameter state: the estimate 50 and 1,050 bytes, compiled 100 and 600
+CAL = Calibration(Point(8, 50, 100), Point(64, 1050, 600))
 
 
 def test_the_calibration_line_passes_through_both_measured_points():
-    assert CAL.ratio == 0.5
+    assert CAL.ratio == 0.5 and CAL.batches == (8, 64)
     assert CAL.predict(100, 50) == 150 and CAL.predict(1100, 50) == 650
     assert CAL.predict(2100, 50) == 1150
     # a deeper model's extra parameter state (100 bytes) counts once, not scaled
-    assert CAL.predict(1200, 150) == 150 + 0.5 * (1200 - 100 - 100) + 100
+    assert CAL.predict(1200, 150) == 150 + 100 + 0.5 * (1200 - 150 - 50)
 
 
-def test_the_compiled_search_answers_on_the_scaled_peaks():
-    def probe(n):  # an estimate: 50 fixed bytes, 20 per sample
-        return Probe(n, 50 + 20 * n <= 1000, 50 + 20 * n, fixed=50)
+def _probe(n):  # an estimate: 50 bytes of parameter state, 20 a sample
+    return Probe(n, 50 + 20 * n <= 1000, 50 + 20 * n, fixed=50)
 
-    cal = Calibration((1, 2), (70, 90), (80, 90), 50)  # compiled: 10 per sample, 70 at 1
-    assert [scaled(probe, cal, 1000)(n).peak for n in (1, 2, 10)] == [80, 90, 170]
-    assert compiled_answer(probe, cal, 1000, start=1, step=1, maximum=None) == 93
-    assert scaled(lambda n: Probe(n, False, None), cal, 1000)(4) == Probe(4, False, None)
+
+LINE = Calibration(Point(1, 20, 30), Point(2, 40, 40))  # compiled: 70 + 10 a sample
+
+
+def test_the_compiled_search_answers_on_the_line_and_checks_the_answer():
+    assert [scaled(_probe, LINE, 1000)(n).peak for n in (1, 2, 10)] == [80, 90, 170]
+    assert scaled(lambda n: Probe(n, False, None), LINE, 1000)(4) == Probe(4, False, None)
+    true = compiled_answer(_probe, LINE, 1000, lambda n: Point(n, 20 * n, 20 + 10 * n),
+                           start=1, step=1, maximum=None)
+    assert (true.value, true.checked) == (93, True)
+    # past the CPU's cap nothing is measured: the line's answer, said to be extrapolated
+    far = compiled_answer(_probe, LINE, 1000, lambda n: None, start=1, step=1, maximum=None)
+    assert (far.value, far.checked) == (93, False)
+
+
+def test_an_answer_that_does_not_fit_corrects_the_line():
+    """The compiled peak grows faster at large batches than between the calibration's
+    (12 a sample there): the answer read off the first line does not fit, and the line
+    through the largest measured points gives one that does."""
+    def check(n):
+        return Point(n, 20 * n, 20 + 12 * n)
+
+    answer = compiled_answer(_probe, LINE, 1000, check, start=1, step=1, maximum=None)
+    assert answer.checked and answer.value == 77
+    assert 50 + check(77).measured <= 1000 < 50 + check(78).measured
+    assert answer.calibration.batches == (2, 93)
+    assert Calibration(Point(9, 40, 40), Point(3, 10, 20)).ratio == 2 / 3  # either order
 
 
 MODEL = """
@@ -53,9 +76,9 @@ def test_maxbatch_compile_answers_for_a_compiled_step(tmp_path):
     assert result.exit_code == 0, result.output
     assert "largest batch compiled: L3" in " ".join(result.output.split())
     for row in json.loads(out.read_text())["levels"]:
-        low, high = row["compiled_batches"]
+        low, high = row["compiled_batches"][:2]
         assert low < high and 0.2 < row["compiled_ratio"] < 5
-        assert row["compiled_value"] > 0
+        assert row["compiled_value"] > 0 and row["compiled_checked"]
     wider = CliRunner().invoke(app, ["scale", str(model), "--dim", "width", "--batch", "32",
                                      "--levels", "L3", "--budget", "64MiB", "--compile",
                                      "--compile-backend", "aot_eager", "--json", str(out)])
