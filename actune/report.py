@@ -199,7 +199,8 @@ def _compiled_lines(report: Report) -> list[str]:
                         f"{' (measured)' if r.compiled_checked else ' (extrapolated)'}"
                         if r.compiled_value else f"{r.level} none" for r in rows)
     label = "batch" if report.dim == "batch" else report.dim
-    at = "; ".join(sorted({" and ".join(f"{b:,}" for b in r.compiled_batches) for r in rows}))
+    at = "; ".join(f"{r.level} " + ", ".join(f"{b:,}" for b in r.compiled_batches)
+                   for r in rows)
     return [f"torch.compile (steps measured on the CPU at batches {at}): the compiled peak "
             f"grows {ratios} as fast as the eager estimate; largest {label} compiled: "
             f"{answers}"]

@@ -154,6 +154,7 @@ class Answer:
     value: int | None
     calibration: Calibration
     checked: bool
+    measured: tuple[int, ...] = ()  # every batch a compiled step ran at, in order
 
 
 def compiled_answer(probe: Callable[[int], Probe], calibration: Calibration, budget: int,
@@ -163,19 +164,20 @@ def compiled_answer(probe: Callable[[int], Probe], calibration: Calibration, bud
     estimate) through :func:`scaled`, then a compiled step at the answer (``check``); where it
     does not fit, the line through the two largest measured points and the search again, at
     most :data:`REFINE` times. An answer past the CPU's cap is not checked."""
-    cal = calibration
+    cal, measured = calibration, list(calibration.batches)
     for _ in range(REFINE):
         value = largest_fitting(scaled(probe, cal, budget), start=start, step=step,
                                 maximum=maximum, budget=budget).value
         if value is None:
-            return Answer(None, cal, False)
+            return Answer(None, cal, False, tuple(measured))
         point = check(value)
         if point is None:
-            return Answer(value, cal, False)
+            return Answer(value, cal, False, tuple(measured))
+        measured.append(value)
         if point.measured + (probe(value).fixed or 0) <= budget:
-            return Answer(value, cal, True)
+            return Answer(value, cal, True, tuple(measured))
         if point.batch in cal.batches:
             break
         largest = max(cal.low, cal.high, key=lambda p: p.batch)
         cal = Calibration(*sorted((largest, point), key=lambda p: p.batch))
-    return Answer(None, cal, False)
+    return Answer(None, cal, False, tuple(measured))

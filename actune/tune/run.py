@@ -200,8 +200,8 @@ def _add_compiled(report: Report, workload: Workload, levels: list, settings: Se
             row.note = "; ".join(n for n in (row.note, f"compiled step failed: "
                                              f"{type(err).__name__}: {err}"[:160]) if n)
             continue
-        row.compiled_ratio, row.compiled_batches = answer.calibration.ratio, [batch, *[
-            b for b in answer.calibration.batches if b != batch]]
+        row.compiled_ratio, row.compiled_batches = (answer.calibration.ratio,
+                                                     list(answer.measured))
         row.compiled_value = answer.value * unit if answer.value else None
         row.compiled_checked = answer.checked
         done[_estimated_as(config)] = row

@@ -46,7 +46,7 @@ def test_an_answer_that_does_not_fit_corrects_the_line():
         return Point(n, 20 * n, 20 + 12 * n)
 
     answer = compiled_answer(_probe, LINE, 1000, check, start=1, step=1, maximum=None)
-    assert answer.checked and answer.value == 77
+    assert answer.checked and answer.value == 77 and answer.measured == (1, 2, 93, 77)
     assert 50 + check(77).measured <= 1000 < 50 + check(78).measured
     assert answer.calibration.batches == (2, 93)
     assert Calibration(Point(9, 40, 40), Point(3, 10, 20)).ratio == 2 / 3  # either order
@@ -71,20 +71,39 @@ def test_maxbatch_compile_answers_for_a_compiled_step(tmp_path):
     model, out = tmp_path / "wide.py", tmp_path / "m.json"
     model.write_text(MODEL)
     result = CliRunner().invoke(app, ["maxbatch", str(model), "--levels", "L3", "--budget",
-                                      "64MiB", "--compile", "--compile-backend", "aot_eager",
+                                      "24MiB", "--compile", "--compile-backend", "aot_eager",
                                       "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "largest batch compiled: L3" in " ".join(result.output.split())
-    for row in json.loads(out.read_text())["levels"]:
-        low, high = row["compiled_batches"][:2]
-        assert low < high and 0.2 < row["compiled_ratio"] < 5
-        assert row["compiled_value"] > 0 and row["compiled_checked"]
-    wider = CliRunner().invoke(app, ["scale", str(model), "--dim", "width", "--batch", "32",
-                                     "--levels", "L3", "--budget", "64MiB", "--compile",
-                                     "--compile-backend", "aot_eager", "--json", str(out)])
-    assert wider.exit_code == 0, wider.output
     row = json.loads(out.read_text())["levels"][0]
-    assert row["compiled_batches"][0] == 8 and row["compiled_value"] > 0
-    assert "largest width compiled: L3" in " ".join(wider.output.split())
+    low, high = row["compiled_batches"][:2]
+    assert low < high and 0.2 < row["compiled_ratio"] < 5
+    assert row["compiled_value"] > 0 and row["compiled_checked"]
     refused = CliRunner().invoke(app, ["maxbatch", "--compile", "--compile-backend", "nope"])
     assert refused.exit_code == 2 and "nope" in refused.output
+
+
+def test_scale_compile_reads_the_line_across_sizes(tmp_path, monkeypatch):
+    """scale's compiled answer, with a stand-in compiled step holding 1.5 times what the
+    estimate holds (the real one runs in the test above): the width whose estimate grows to
+    the budget's room over 1.5."""
+    from actune.tune import compiled
+    from actune.tune.probe import Trial
+
+    def standin(workload, config, sizes, batch, backend="inductor"):
+        p = Trial(workload, config, sizes, "estimate", "cpu").peak(batch)
+        fixed = p.parameters + p.gradients + p.optimizer
+        return fixed + round(1.5 * (p.total - fixed))
+
+    monkeypatch.setattr(compiled, "compiled_peak", standin)
+    model, out = tmp_path / "wide.py", tmp_path / "s.json"
+    model.write_text(MODEL)
+    wider = CliRunner().invoke(app, ["scale", str(model), "--dim", "width", "--batch", "32",
+                                     "--levels", "L0", "--budget", "64MiB", "--compile",
+                                     "--json", str(out)])
+    assert wider.exit_code == 0, wider.output
+    row = json.loads(out.read_text())["levels"][0]
+    assert row["compiled_batches"][:2] == [8, 32] and row["compiled_checked"]
+    assert abs(row["compiled_ratio"] - 1.5) < 0.01
+    assert 0 < row["compiled_value"] < row["value"]
+    assert "largest width compiled: L0" in " ".join(wider.output.split())
