@@ -58,6 +58,7 @@ from actune.recompute import (
 )
 from actune.rules import op_name
 from actune.saved import Derived, Saved, feature_major, row_statistic
+from actune.traced.pack import group_statistic, packed_origin
 
 __all__ = ["CompressionStats", "allow_overwrite", "compressed", "feature_major", "shared_cache"]
 
@@ -338,8 +339,6 @@ class _Session:
         elements they stand for, as float32, in ``saved_bytes``) or their groups' statistics
         (held, not an activation), if its shape says so (:func:`actune.traced.packed_origin`;
         docs/training.md, "torch.compile"). Kept as it is either way."""
-        from actune.traced import group_statistic, packed_origin
-
         origin = packed_origin(t, self.level.group_size)
         if origin is None and not group_statistic(t):
             return False

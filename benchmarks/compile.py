@@ -115,11 +115,10 @@ def main() -> None:
               or any(w.lower() in t.lower() for w in args.models.split(","))}
     if args.threads:
         torch.set_num_threads(args.threads)
+    import torch._inductor.config as inductor_config
     if args.no_horizontal_fusion:
-        import torch._inductor.config as inductor_config
         inductor_config.cpp.max_horizontal_fusion_size = 1
     if args.no_layout_optimization:
-        import torch._inductor.config as inductor_config
         inductor_config.layout_optimization = False
     for title, make in chosen.items():
         steps, breaks = {}, {}

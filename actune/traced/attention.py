@@ -60,9 +60,9 @@ class PackedAttention(torch.autograd.Function):
         p = _map(q, k, s[9] if has_mask else None, causal, scale)
         g = grad.float()
         if dropout_p:
-            keep = uniform(p, s[-1]) >= dropout_p
-            dv = _dropped(p, s[-1], dropout_p, keep).transpose(-2, -1) @ g
-            dp = (g @ v.transpose(-2, -1)) * keep / (1 - dropout_p)
+            kept = (uniform(p, s[-1]) >= dropout_p) / (1 - dropout_p)
+            dv = (p * kept).transpose(-2, -1) @ g
+            dp = (g @ v.transpose(-2, -1)) * kept
         else:
             dv = p.transpose(-2, -1) @ g
             dp = g @ v.transpose(-2, -1)
@@ -96,12 +96,10 @@ def _map(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bo
     return torch.softmax(scores, -1)
 
 
-def _dropped(p: torch.Tensor, key: torch.Tensor, dropout_p: float,
-             keep: torch.Tensor | None = None) -> torch.Tensor:
+def _dropped(p: torch.Tensor, key: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """The map with dropout: entries kept where the key's uniform numbers reach ``dropout_p``,
     scaled by ``1 / (1 - dropout_p)``."""
-    keep = uniform(p, key) >= dropout_p if keep is None else keep
-    return p * keep / (1 - dropout_p)
+    return p * (uniform(p, key) >= dropout_p) / (1 - dropout_p)
 
 
 class PackedCrossEntropy(torch.autograd.Function):

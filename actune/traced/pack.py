@@ -55,24 +55,18 @@ def random_key(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**31, (), dtype=torch.int64, device=device)
 
 
-def uniform(like: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """:func:`_uniform`'s numbers for ``key``: the same key gives the same numbers (a dropout
-    mask made again in backward from its key, nothing stored)."""
-    return _uniform(like, key)
-
-
-def _uniform(like: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
+def uniform(like: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
     """Uniform numbers in [0, 1) on a 2**-24 grid, one per element of ``like``: the Numba
     kernels' counter-based stream (a 32-bit hash of the element's index and a key, 24 bits
-    kept; ``actune_kernels.scalar.random24_u32``), with a fresh key from the graph's generator
-    each call. In 32-bit integers, products wrapping and shifts masked to act as unsigned:
-    Inductor fuses and vectorises it, on the CPU 9.8x faster than ``rand_like``'s Philox (4M
-    elements: 1.8 against 17.3 ms). A backend that does not fuse (``aot_eager``) holds its
-    integer temporaries, 8 bytes an element, while it runs."""
+    kept; ``actune_kernels.scalar.random24_u32``), with ``key`` (the same key, the same numbers:
+    a dropout mask drawn again in backward) or a fresh one from the graph's generator
+    (:func:`random_key`). In 32-bit integers, products wrapping and shifts masked to act as
+    unsigned: Inductor fuses and vectorises it, on the CPU 9.8x faster than ``rand_like``'s
+    Philox (4M elements: 1.8 against 17.3 ms). A backend that does not fuse (``aot_eager``)
+    holds its integer temporaries, 8 bytes an element, while it runs."""
     wide = like.numel() >= 2**31
     itype = torch.int64 if wide else torch.int32
-    key = (torch.randint(0, 2**31, (), dtype=itype, device=like.device) if key is None
-           else key.to(itype))
+    key = (random_key(like.device) if key is None else key).to(itype)
     x = torch.arange(like.numel(), dtype=itype, device=like.device).reshape(like.shape) ^ key
     if wide:
         x = x & MASK32
@@ -93,7 +87,7 @@ def _round(scaled: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes of ``scaled`` (in [0, 2**bits - 1]) rounded stochastically, ``8 // bits`` per
     byte along dim 1."""
     top = 2**bits - 1
-    q = torch.floor(scaled + _uniform(scaled)).clamp_(0, top).to(torch.uint8)
+    q = torch.floor(scaled + uniform(scaled)).clamp_(0, top).to(torch.uint8)
     per = 8 // bits
     if per == 1:
         return q

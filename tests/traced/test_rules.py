@@ -205,11 +205,11 @@ def test_the_graphs_random_stream_is_the_kernels():
     import numba
     import numpy as np
 
-    from actune.traced.pack import _uniform
+    from actune.traced.pack import uniform
     from actune_kernels.scalar import random24_u32
 
     torch.manual_seed(3)
-    u = _uniform(torch.empty(3, 1000))
+    u = uniform(torch.empty(3, 1000))
     torch.manual_seed(3)
     key = np.uint32(int(torch.randint(0, 2**31, (), dtype=torch.int32)))
     stream = numba.njit(random24_u32)
