@@ -70,6 +70,17 @@ _ZEROS = "zeros"  # a tensor >= 0 whose backward reads its exact zeros (rules/ma
 _ALLOCATED = "allocated"  # cache-key marker: bits chosen by the allocator
 _OUTSIDE = "(saved outside any op)"  # a custom autograd function's ctx.save_for_backward
 _BOUNDARY = "checkpoint boundary"
+_SEEN_LIMIT = 4096
+
+
+def _dropper(table: dict, key: tuple, at: int = 1) -> Callable[[weakref.ref], None]:
+    """A weak reference's callback that removes ``table[key]`` if the entry still holds that
+    reference at index ``at`` (not a later entry under the same key)."""
+    def drop(ref: weakref.ref) -> None:
+        entry = table.get(key)
+        if entry is not None and entry[at] is ref:
+            del table[key]
+    return drop
 
 
 @dataclass
@@ -140,6 +151,7 @@ class _Session:
         self.cache: dict[tuple, object] = {}
         self.seed: int | None = None  # the next tensor's seed (drawn at the first, see _seeds)
         self.seen: dict[tuple, StorageWeakRef] = {}
+        self.seen_limit = _SEEN_LIMIT  # entries before the dead ones are dropped
         # tensors a later saver rebuilds from another's packed value (a layer norm's output
         # from its normalised input): storage key without shape -> (alive, version, Derived)
         self.derived: dict[tuple, tuple] = {}
@@ -276,9 +288,12 @@ class _Session:
         rebuild it as ``base * weight + bias`` from ``base``, packed already (a layer norm's
         output from its normalised input, whose rounding then serves both backwards), or as
         ``base * factor`` (a gated product's output from its two packed operands)."""
-        if t.is_contiguous():
-            self.derived[_whole_key(t)] = (StorageWeakRef(t.untyped_storage()), t._version,
-                                           Derived(base, weight, bias, factor=factor))
+        if t.is_contiguous():  # (held weakly, as the cache's values are: see _remember)
+            key = _whole_key(t)
+            drop = _dropper(self.derived, key, 2)
+            self.derived[key] = (StorageWeakRef(t.untyped_storage()), t._version,
+                                 weakref.ref(base, drop), weight, bias,
+                                 None if factor is None else weakref.ref(factor, drop))
 
     def _derived(self, t: torch.Tensor, bits: int, new: bool) -> Derived | None:
         """``t`` as a :class:`Derived` if it is a tensor :meth:`derive` named, unchanged since,
@@ -289,8 +304,11 @@ class _Session:
         entry = self.derived.get(_whole_key(t))
         if entry is None or entry[0].expired() or entry[1] != t._version:
             return None
-        derived = entry[2]
-        base = derived.base
+        base_ref, weight, bias, factor_ref = entry[2:]
+        base, factor = base_ref(), factor_ref and factor_ref()
+        if base is None or (factor_ref is not None and factor is None):
+            return None
+        derived = Derived(base, weight, bias, factor=factor)
         ap = self.allocator()
         if base.slot is None and ((ap is not None and derived.factor is None)
                                   or (derived.bits or 0) < bits):
@@ -315,6 +333,9 @@ class _Session:
         if seen is not None and not seen.expired():
             return False
         self.seen[key] = StorageWeakRef(t.untyped_storage())
+        if len(self.seen) > self.seen_limit:  # (a loop inside one context: forget the dead)
+            self.seen = {k: v for k, v in self.seen.items() if not v.expired()}
+            self.seen_limit = max(_SEEN_LIMIT, 2 * len(self.seen))
         self.stats.saved_bytes += t.numel() * t.element_size()
         return True
 
@@ -392,14 +413,17 @@ class _Session:
         if entry is None:
             return None
         alive, saved = entry
-        return None if alive() is None else saved  # a freed storage's address can come back
+        return None if alive() is None else saved()  # a freed storage's address can come back
 
     def _remember(self, key: tuple, t: torch.Tensor, saved: Saved) -> None:
         """Later savers of ``t`` (cache ``key``) share ``saved`` while ``t`` lives (which keeps
         the storage whose address the key holds alive: a plain weak reference, cheaper than
         one to the storage; a saver handed another tensor object of the same view, after ``t``
-        is gone, packs its own copy)."""
-        self.cache[key] = (weakref.ref(t), saved)
+        is gone, packs its own copy) and something else holds ``saved``: the cache holds it
+        weakly, so that backward frees each packed value once its readers have run (not at
+        the end of the context: a loop inside one ``compressed()`` would keep every step's),
+        and the entry goes with it."""
+        self.cache[key] = (weakref.ref(t), weakref.ref(saved, _dropper(self.cache, key)))
 
     def _pack_allocated(self, t: torch.Tensor, kind: str, by_feature: bool = False) -> Saved:
         """Pack with the bits the allocator gives this slot (``by_feature``: from

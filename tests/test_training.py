@@ -6,6 +6,7 @@ import io
 import math
 import os
 import tempfile
+import weakref
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import actune
 from actune import zoo
 from actune.convert import compress, decompress, is_compressed, summary
 from actune.levels import LEVELS, Level, get_level, parse_levels
+from actune.saved import Saved
 from tests.distributed import run_ranks
 
 
@@ -296,6 +298,45 @@ def test_eval_and_no_grad_cost_nothing():
     with torch.no_grad(), actune.compressed("L3", stats=stats.append):
         model(*inputs)
     assert stats[0].packed == 0 and stats[0].saved_bytes == 0
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_backward_inside_the_context_frees_packed_values_as_it_goes(name, monkeypatch):
+    """A loop inside one compressed(): each packed value goes once its reader has run (the
+    layer norm's rebuilt outputs and the shared-storage cache hold them weakly), so backward
+    in the context holds less and less, and no step keeps the one before it."""
+    if name == "cnn":
+        model, inputs, _ = cnn_case()
+        first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    else:
+        torch.manual_seed(0)
+        model = zoo.transformer(depth=0.5, width=0.25, resolution=32)
+        inputs = (torch.randint(0, 1000, (4, 32)),)
+        first = model.blocks[0]
+    made = weakref.WeakSet()  # every packed value made, held weakly
+    init = Saved.__init__
+
+    def tracked(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        made.add(self)
+
+    monkeypatch.setattr(Saved, "__init__", tracked)
+    seen: dict[str, int] = {}
+
+    def at_first(*_) -> None:
+        seen.setdefault("first", len(made))
+
+    first.register_full_backward_pre_hook(at_first)
+    with actune.compressed("L3"):
+        for _ in range(3):
+            seen.pop("first", None)
+            loss = model(*inputs).float().pow(2).mean()
+            seen["forward"] = len(made)
+            loss.backward()
+            del loss
+            assert seen["forward"] > 0
+            assert seen["first"] < seen["forward"]  # the later layers' values are gone
+            assert len(made) == 0
 
 
 # -- compress() -------------------------------------------------------------------------------
