@@ -54,6 +54,7 @@ class LevelResult:
     note: str = ""
     base_level: str = ""  # the level alone ("L3" for "L3+ckpt")
     checkpoint: bool = False  # activation checkpointing around each block
+    whole_blocks: list = field(default_factory=list)  # with checkpoint: blocks run whole
     offload: bool = False  # every saved tensor (or the level's packed ones) in host memory
     compiled: bool = False  # bench --compile: the same level's step under torch.compile
     # a GPU's reserved peak (max_memory_reserved): predicted by a device profile's allocator

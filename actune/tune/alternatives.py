@@ -38,6 +38,10 @@ class Config:
     level: Level
     checkpoint: bool = False
     offload: bool = False
+    # with ``checkpoint``: the blocks (by their names in the model) that run whole, not
+    # checkpointed (:mod:`actune.tune.selective` leaves out those whose recomputation sets the
+    # peak); the configuration's name does not change
+    whole: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -46,12 +50,12 @@ class Config:
 
     def to_json(self) -> dict:
         return {"level": self.level.to_json(), "checkpoint": self.checkpoint,
-                "offload": self.offload}
+                "offload": self.offload, "whole": list(self.whole)}
 
     @classmethod
     def from_json(cls, data: dict) -> Config:
         return cls(Level.from_json(data["level"]), bool(data["checkpoint"]),
-                   bool(data["offload"]))
+                   bool(data["offload"]), tuple(data.get("whole", ())))
 
     @property
     def run_level(self) -> Level:
@@ -144,15 +148,20 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_checkpointing(model: nn.Module, blocks: list[nn.Module] | None = None,
-                        find: Callable[[nn.Module], list[nn.Module]] = repeated_blocks) -> int:
-    """Run each block's forward under non-reentrant ``torch.utils.checkpoint``, in place;
-    returns how many blocks. Raises ``ValueError`` if there are none."""
+                        find: Callable[[nn.Module], list[nn.Module]] = repeated_blocks,
+                        whole: tuple[str, ...] = ()) -> int:
+    """Run each block's forward under non-reentrant ``torch.utils.checkpoint``, in place,
+    except the blocks named in ``whole`` (their names in ``model``); returns how many blocks
+    were checkpointed. Raises ``ValueError`` if the model has no blocks."""
     blocks = list(find(model) if blocks is None else blocks)
     if not blocks:
         raise ValueError(
             f"no blocks to checkpoint in {type(model).__name__}: it has no ModuleList or "
             f"Sequential of repeated blocks. Define checkpoint_blocks(model) in the model "
             f"file, returning the modules to checkpoint (docs/tuning.md)")
+    if whole:
+        names = {id(m): n for n, m in model.named_modules()}
+        blocks = [b for b in blocks if names.get(id(b)) not in whole]
     for block in blocks:
         block.forward = _checkpointed(block.forward)
     return len(blocks)

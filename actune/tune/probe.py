@@ -139,7 +139,7 @@ def _shared_key(trial: Trial) -> tuple | None:
     if trial.mode != "estimate" or trial.sharding is not None:
         return None
     return (id(trial.workload), tuple(sorted(trial.sizes.items())), trial.config.checkpoint,
-            trial.device)
+            trial.config.whole, trial.device)
 
 
 def warm_up(trial: Trial) -> None:
@@ -159,7 +159,7 @@ def prepare(workload: Workload, config: Config, model: torch.nn.Module) -> torch
     blocks checkpointed if the configuration asks for it."""
     actune.allow_inplace_norms(model)
     if config.checkpoint:
-        apply_checkpointing(model, blocks_of(workload, model))
+        apply_checkpointing(model, blocks_of(workload, model), whole=config.whole)
     return model
 
 

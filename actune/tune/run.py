@@ -29,6 +29,7 @@ from actune.tune.compiled import calibrate, compiled_answer, measure_point
 from actune.tune.parallel import available_workers, run_searches
 from actune.tune.probe import Trial, prepare, warm_up
 from actune.tune.search import Probe, largest_fitting
+from actune.tune.selective import block_names, describe_whole, fewer_checkpoints
 from actune.tune.sharding import Sharding, per_rank_parameter_share, release
 from actune.tune.workload import Workload
 
@@ -136,7 +137,8 @@ def _reporter(on_probe: Callable | None, config: Config) -> Callable[[Probe], No
 
 def _row(config: Config, value, **fields) -> LevelResult:
     return LevelResult(config.name, value, base_level=config.level.name,
-                       checkpoint=config.checkpoint, offload=config.offload, **fields)
+                       checkpoint=config.checkpoint, offload=config.offload,
+                       whole_blocks=list(config.whole), **fields)
 
 
 def _probes(probes: list[Probe]) -> list[dict]:
@@ -301,13 +303,31 @@ def _sharded(settings: Settings):
 def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes: dict,
                     start: int, multiple_of: int, maximum: int | None,
                     on_probe: Callable | None) -> LevelResult:
-    trial = settings.trial(workload, level, sizes)
-    result = largest_fitting(
-        lambda n: trial.probe(n, settings.budget.bytes), start=start,
-        step=multiple_of, maximum=maximum, budget=settings.search_budget,
-        on_probe=_reporter(on_probe, level))
-    row = _row(level, result.value, probes=_probes(result.probes),
-               complete=result.complete, capped=result.capped, note=_note(level, settings))
+    def search(config: Config, begin: int):
+        trial = settings.trial(workload, config, sizes)
+        return trial, largest_fitting(
+            lambda n: trial.probe(n, settings.budget.bytes), start=begin,
+            step=multiple_of, maximum=maximum, budget=settings.search_budget,
+            on_probe=_reporter(on_probe, config))
+
+    trial, result = search(level, start)
+    probes, blocks = list(result.probes), None
+    if level.checkpoint and result.value and result.complete:
+        # which blocks to checkpoint (actune.tune.selective), chosen by estimates in either
+        # mode: a measured search then runs the blocks an estimate would
+        estimating = dataclasses.replace(settings, mode="estimate")
+        names = block_names(estimating.trial(workload, level, sizes))
+        blocks, at = len(names), int(result.value)
+        chosen = fewer_checkpoints(
+            level, lambda c: estimating.trial(workload, c, sizes).peak(at), names)
+        if chosen != level:
+            level = chosen
+            trial, result = search(level, at)
+            probes += result.probes
+    row = _row(level, result.value, probes=_probes(probes),
+               complete=result.complete, capped=result.capped,
+               note="; ".join(n for n in (_note(level, settings), level.whole and blocks
+                                          and describe_whole(level.whole, blocks)) if n))
     if result.value:
         _fill_at(row, lambda: trial.peak(result.value), level)
     return row

@@ -86,14 +86,19 @@ def test_model_file_names_its_blocks_and_the_cli_runs_every_alternative(tmp_path
         "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n")
     out = tmp_path / "r.json"
     result = CliRunner().invoke(app, ["maxbatch", str(model_file), "--budget", "64MiB",
-                                      "--levels", "L0,ckpt,L3+ckpt,offload", "--json",
+                                      "--levels", "L0,ckpt,L3,L3+ckpt,offload", "--json",
                                       str(out)], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     rows = {r["level"]: r for r in json.loads(out.read_text())["levels"]}
-    assert list(rows) == ["L0", "ckpt", "L3+ckpt", "offload"]
+    assert list(rows) == ["L0", "ckpt", "L3", "L3+ckpt", "offload"]
     assert rows["L3+ckpt"]["base_level"] == "L3" and rows["L3+ckpt"]["checkpoint"]
     assert rows["offload"]["offload"] and rows["offload"]["host_bytes"] > 0
     assert rows["offload"]["activation_bytes"] is None
     assert rows["ckpt"]["value"] > rows["L0"]["value"]
     assert rows["L3+ckpt"]["value"] > rows["ckpt"]["value"]
+    # checkpointing both blocks at L3 holds more in the last one's recomputation than L3
+    # alone (10,947 against 11,307): the second block runs whole
+    assert rows["L3+ckpt"]["whole_blocks"] == ["2"] and rows["ckpt"]["whole_blocks"] == []
+    assert rows["L3+ckpt"]["value"] >= rows["L3"]["value"]
+    assert "L3+ckpt: 1 of 2 blocks checkpointed" in result.output
     assert "offload: offload simulated" in result.output
