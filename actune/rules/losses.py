@@ -58,14 +58,12 @@ class PackedCrossEntropy(torch.autograd.Function):
         rows = max(1, SLICE // max(classes, 1))
         packed = []
         for start in range(0, n, rows):
-            part = x[start:start + rows].float()
-            lse = torch.logsumexp(part, 1)
-            loss = lse - part.gather(1, safe[start:start + rows, None]).squeeze(1)
+            p = torch.log_softmax(x[start:start + rows].float(), 1)  # (one fused pass)
+            loss = p.gather(1, safe[start:start + rows, None]).squeeze(1).neg_()
             if smoothing:
-                loss = loss.mul_(1 - smoothing).add_((lse - part.mean(1)).mul_(smoothing))
+                loss = loss.mul_(1 - smoothing).sub_(p.mean(1).mul_(smoothing))
             losses[start:start + rows] = loss
-            p = part.sub(lse[:, None]).exp_()
-            del part, lse
+            p = p.exp_()
             if x.dtype != torch.float32:
                 p = p.to(x.dtype)
             session.count(p)  # PyTorch keeps the log-probabilities, as large
@@ -93,10 +91,14 @@ class PackedCrossEntropy(torch.autograd.Function):
         for i, saved in enumerate(packed):
             start = i * rows
             c = coef[start:start + rows, None]
-            part = saved.fresh().float().mul_(c)
+            if dtype == torch.float32:  # (the product written where it goes: no copy)
+                part = torch.mul(saved.get(), c, out=out[start:start + rows])
+            else:
+                part = saved.fresh().float().mul_(c)
             part.scatter_add_(1, ctx.target[start:start + rows, None], -(1 - smoothing) * c)
             if smoothing:
                 part.sub_(c * (smoothing / classes))
-            out[start:start + rows] = part
+            if part.dtype != dtype:
+                out[start:start + rows] = part
             del part
         return out, None, None, None, None, None, None, None
