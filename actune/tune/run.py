@@ -311,26 +311,40 @@ def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes
             on_probe=_reporter(on_probe, config))
 
     trial, result = search(level, start)
-    probes, blocks = list(result.probes), None
-    if level.checkpoint and result.value and result.complete:
-        # which blocks to checkpoint (actune.tune.selective), chosen by estimates in either
-        # mode: a measured search then runs the blocks an estimate would
-        estimating = dataclasses.replace(settings, mode="estimate")
-        names = block_names(estimating.trial(workload, level, sizes))
-        blocks, at = len(names), int(result.value)
-        chosen = fewer_checkpoints(
-            level, lambda c: estimating.trial(workload, c, sizes).peak(at), names)
-        if chosen != level:
-            level = chosen
-            trial, result = search(level, at)
-            probes += result.probes
+    probes = list(result.probes)
+    chosen, blocks = _choose_blocks(workload, level, settings, result,
+                                    lambda: (sizes, int(result.value)))
+    if chosen != level:
+        level = chosen
+        trial, result = search(level, int(result.value))
+        probes += result.probes
     row = _row(level, result.value, probes=_probes(probes),
                complete=result.complete, capped=result.capped,
-               note="; ".join(n for n in (_note(level, settings), level.whole and blocks
-                                          and describe_whole(level.whole, blocks)) if n))
+               note=_notes(level, settings, blocks))
     if result.value:
         _fill_at(row, lambda: trial.peak(result.value), level)
     return row
+
+
+def _choose_blocks(workload: Workload, config: Config, settings: Settings, result,
+                   where: Callable[[], tuple[dict, int]]) -> tuple[Config, int | None]:
+    """With checkpointing: ``config`` with the blocks chosen by :mod:`actune.tune.selective`
+    at the answer ``result`` found (``where()``: the sizes and batch of its step), and how
+    many blocks the model has. Chosen by estimates in either mode: a measured search then runs
+    the blocks an estimate would."""
+    if not config.checkpoint or not result.value or not result.complete:
+        return config, None
+    sizes, batch = where()
+    estimating = dataclasses.replace(settings, mode="estimate")
+    names = block_names(estimating.trial(workload, config, sizes))
+    return fewer_checkpoints(
+        config, lambda c: estimating.trial(workload, c, sizes).peak(batch), names), len(names)
+
+
+def _notes(config: Config, settings: Settings, blocks: int | None) -> str:
+    """A row's note: :func:`_note`, and the blocks run whole under checkpointing."""
+    whole = describe_whole(config.whole, blocks) if config.whole and blocks else ""
+    return "; ".join(n for n in (_note(config, settings), whole) if n)
 
 
 def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch: int,
@@ -387,12 +401,25 @@ def _scale_level(workload: Workload, level: Config, settings: Settings, dim: str
         p = trials[n].probe(batch, settings.budget.bytes)
         return Probe(n, p.fits, p.peak)  # the size searched is the dimension, not the batch
 
-    result = largest_fitting(probe, start=start, step=step, maximum=cap,
-                             budget=settings.search_budget, on_probe=_reporter(on_probe, level))
+    def search(begin: int):
+        return largest_fitting(probe, start=begin, step=step, maximum=cap,
+                               budget=settings.search_budget,
+                               on_probe=_reporter(on_probe, level))
+
+    result = search(start)
+    probes = list(result.probes)
+    chosen, blocks = _choose_blocks(workload, level, settings, result,
+                                    lambda: ({dim: result.value * unit}, batch))
+    if chosen != level:
+        level = chosen
+        trials.clear()
+        result = search(int(result.value))
+        probes += result.probes
     value = result.value * unit if result.value else None
     row = _row(level, value,
-               probes=[{**p, "size": p["size"] * unit} for p in _probes(result.probes)],
-               complete=result.complete, capped=result.capped, note=_note(level, settings))
+               probes=[{**p, "size": p["size"] * unit} for p in _probes(probes)],
+               complete=result.complete, capped=result.capped,
+               note=_notes(level, settings, blocks))
     if value:
         _fill_at(row, lambda: trials[result.value].peak(batch), level)
     return row

@@ -1,9 +1,12 @@
 """Which blocks +ckpt checkpoints (actune.tune.selective)."""
 
 import dataclasses
+import json
 
 import pytest
+from typer.testing import CliRunner
 
+from actune.cli import app
 from actune.memory import Peak
 from actune.tune.alternatives import get_config
 from actune.tune.selective import block_at, describe_whole, fewer_checkpoints
@@ -67,3 +70,28 @@ def test_a_forward_peak_keeps_every_block_checkpointed():
     peak_of, calls = _peaks([50, 50, 50, 50], forward=100, per_whole=5)
     assert fewer_checkpoints(config, peak_of, NAMES) == config
     assert calls == [(), tuple(NAMES)]
+
+
+def test_scale_chooses_the_blocks_too(tmp_path):
+    model_file = tmp_path / "net.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def block(h):\n"
+        "    return nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh())\n"
+        "def build_model(width=1.0):\n"
+        "    h = int(256 * width)\n"
+        "    return nn.Sequential(nn.Linear(32, h), block(h), block(h), nn.Linear(h, 10))\n"
+        "def checkpoint_blocks(model):\n"
+        "    return [model[1], model[2]]\n"
+        "def make_batch(batch_size):\n"
+        "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n")
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["scale", "--dim", "width", str(model_file), "--batch",
+                                      "8192", "--budget", "64MiB", "--levels", "L3,L3+ckpt",
+                                      "--json", str(out)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    rows = {r["level"]: r for r in json.loads(out.read_text())["levels"]}
+    # at L3 both blocks' recomputations hold more than they save: neither is checkpointed
+    assert sorted(rows["L3+ckpt"]["whole_blocks"]) == ["1", "2"]
+    assert rows["L3+ckpt"]["value"] >= rows["L3"]["value"]
+    assert "L3+ckpt: no block checkpointed" in result.output
