@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from unittest import mock
@@ -30,6 +31,9 @@ from actune.memory.gpu_model import GpuModel, StepTrace
 from actune.memory.trace import TraceRecorder
 from actune.memory.tracker import PeakTracker
 from actune.saved import simulated_offload
+
+#: torch's ModTracker's warning under checkpointing (see StepMeter.peak)
+_HIERARCHY_WARNING = "The module hierarchy tracking maybe be messed up"
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,11 @@ class StepMeter:
                 if self.gpu is not None:  # (before: tracking records what exists already)
                     tracker.recorder = TraceRecorder()
                 tracker.track_external(self.model, self.opt)
-                with rounding, tracker:
+                with rounding, tracker, warnings.catch_warnings():
+                    # a checkpointed block's recomputation enters its modules' forward again
+                    # inside backward, which torch's ModTracker reports as a broken hierarchy
+                    # (a warning a step; the bytes are counted by dispatch, not by it)
+                    warnings.filterwarnings("ignore", _HIERARCHY_WARNING, UserWarning)
                     if tracker.recorder is not None:
                         tracker.recorder.start_step()
                     try:

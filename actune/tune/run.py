@@ -311,10 +311,12 @@ def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes
             on_probe=_reporter(on_probe, config))
 
     trial, result = search(level, start)
-    probes = list(result.probes)
-    chosen, blocks = _choose_blocks(workload, level, settings, result,
-                                    lambda: (sizes, int(result.value)))
-    if chosen != level:
+    probes, blocks = list(result.probes), None
+    for _ in range(_CHOICE_ROUNDS):
+        chosen, blocks = _choose_blocks(workload, level, settings, result,
+                                        lambda value: (sizes, value))
+        if chosen == level:
+            break
         level = chosen
         trial, result = search(level, int(result.value))
         probes += result.probes
@@ -326,15 +328,20 @@ def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes
     return row
 
 
+#: Rounds of choosing the checkpointed blocks, each at the answer the last one reached (far
+#: below it, the optimizer step can hold the peak and hide what the blocks cost)
+_CHOICE_ROUNDS = 3
+
+
 def _choose_blocks(workload: Workload, config: Config, settings: Settings, result,
-                   where: Callable[[], tuple[dict, int]]) -> tuple[Config, int | None]:
+                   step_at: Callable[[int], tuple[dict, int]]) -> tuple[Config, int | None]:
     """With checkpointing: ``config`` with the blocks chosen by :mod:`actune.tune.selective`
-    at the answer ``result`` found (``where()``: the sizes and batch of its step), and how
-    many blocks the model has. Chosen by estimates in either mode: a measured search then runs
-    the blocks an estimate would."""
+    at the answer ``result`` found (``step_at(value)``: the sizes and batch of its step), and
+    how many blocks the model has. Chosen by estimates in either mode: a measured search then
+    runs the blocks an estimate would."""
     if not config.checkpoint or not result.value or not result.complete:
         return config, None
-    sizes, batch = where()
+    sizes, batch = step_at(int(result.value))
     estimating = dataclasses.replace(settings, mode="estimate")
     names = block_names(estimating.trial(workload, config, sizes))
     return fewer_checkpoints(
@@ -407,10 +414,12 @@ def _scale_level(workload: Workload, level: Config, settings: Settings, dim: str
                                on_probe=_reporter(on_probe, level))
 
     result = search(start)
-    probes = list(result.probes)
-    chosen, blocks = _choose_blocks(workload, level, settings, result,
-                                    lambda: ({dim: result.value * unit}, batch))
-    if chosen != level:
+    probes, blocks = list(result.probes), None
+    for _ in range(_CHOICE_ROUNDS):
+        chosen, blocks = _choose_blocks(workload, level, settings, result,
+                                        lambda value: ({dim: value * unit}, batch))
+        if chosen == level:
+            break
         level = chosen
         trials.clear()
         result = search(int(result.value))

@@ -8,8 +8,10 @@ would have saved: ResNet-50's 56x56 bottlenecks, recomputed, hold the gradient, 
 input and a batch norm's input and output, four full-size tensors where L3's forward holds
 three. So, in an estimate, at the batch the search found: while the peak is in the backward of
 a checkpointed block, run that block whole and estimate again; keep the change only if the
-peak fell. Last, running every block whole (the level alone) is tried too, so the answer is
-never below the level's own.
+peak fell. Last, running every block whole (the level alone) is tried too. The tuner does this
+at the answer its search found, then searches again, and chooses again at the new answer (up
+to three rounds): at a batch far below the answer the optimizer step can hold the peak, and
+the choices tie there.
 """
 
 from __future__ import annotations
