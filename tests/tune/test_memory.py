@@ -56,7 +56,8 @@ _SOME_WHOLE = dataclasses.replace(get_config("L3+ckpt"), whole=("layer1.0", "lay
 
 
 @pytest.mark.parametrize("level", [*LEVELS, "ckpt", "L3+ckpt", _SOME_WHOLE, "offload",
-                                   "L3+offload"], ids=str)
+                                   "L3+offload"],
+                         ids=lambda v: v if isinstance(v, str) else "L3+ckpt-two-whole")
 def test_estimate_agrees_with_the_measured_cpu_peak_within_1_percent(level):
     workload = builtin("resnet18")
     sizes = {"resolution": 32}
