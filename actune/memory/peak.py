@@ -32,8 +32,9 @@ from actune.memory.trace import TraceRecorder
 from actune.memory.tracker import PeakTracker
 from actune.saved import simulated_offload
 
-#: torch's ModTracker's warning under checkpointing (see StepMeter.peak)
-_HIERARCHY_WARNING = "The module hierarchy tracking maybe be messed up"
+#: torch's ModTracker's warnings under checkpointing (see StepMeter.peak)
+_TRACKER_WARNINGS = ("The module hierarchy tracking maybe be messed up",
+                     "Module is None. Skipping")
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ class StepMeter:
                     # a checkpointed block's recomputation enters its modules' forward again
                     # inside backward, which torch's ModTracker reports as a broken hierarchy
                     # (a warning a step; the bytes are counted by dispatch, not by it)
-                    warnings.filterwarnings("ignore", _HIERARCHY_WARNING, UserWarning)
+                    for message in _TRACKER_WARNINGS:
+                        warnings.filterwarnings("ignore", message, UserWarning)
                     if tracker.recorder is not None:
                         tracker.recorder.start_step()
                     try:

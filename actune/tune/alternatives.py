@@ -162,9 +162,22 @@ def apply_checkpointing(model: nn.Module, blocks: list[nn.Module] | None = None,
     if whole:
         names = {id(m): n for n, m in model.named_modules()}
         blocks = [b for b in blocks if names.get(id(b)) not in whole]
+    if blocks:
+        _no_cache(model)
     for block in blocks:
         block.forward = _checkpointed(block.forward)
     return len(blocks)
+
+
+def _no_cache(model: nn.Module) -> None:
+    """Turn off the key-value caches of a Hugging Face model (each stack's config: T5's
+    decoder has its own copy), as its gradient checkpointing does: a cache filled during the
+    forward changes what the recomputation does (T5's decoder reads its cross-attention keys
+    and values from it instead of projecting them again), and checkpointing then fails."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
 
 
 def _checkpointed(forward: Callable) -> Callable:

@@ -26,7 +26,7 @@ from actune.tune.alternatives import Config, apply_checkpointing, get_config, re
 from actune.tune.oom import is_oom
 from actune.tune.search import Probe
 from actune.tune.sharding import Sharding, bucket_bytes, process_group, shard
-from actune.tune.workload import Workload, from_source
+from actune.tune.workload import Workload, WorkloadError, first_line, from_source
 
 __all__ = ["ProbeError", "Trial", "prepare", "warm_up"]
 
@@ -106,7 +106,18 @@ class Trial:
         rank under ``sharding`` (DDP: plus its gradient buckets)."""
         if self.mode == "measure" and torch.device(self.device).type == "cuda":
             return _isolated(self, batch)
-        peak = self.meter.peak(batch)
+        try:
+            peak = self.meter.peak(batch)
+        except (WorkloadError, ProbeError):
+            raise
+        except Exception as err:
+            if is_oom(err):
+                raise
+            name = self.config.name
+            raise ProbeError(f"{name}: a step at batch {batch} failed with "
+                             f"{type(err).__name__}: {first_line(err)} (--debug shows the "
+                             f"traceback; leave {name} out of --levels to tune the rest)"
+                             ) from err
         if self.sharding and self.sharding.kind == "ddp":
             buckets = bucket_bytes(self.meter.model)
             peak = dataclasses.replace(peak, total=peak.total + buckets,

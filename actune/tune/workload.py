@@ -41,7 +41,7 @@ from actune.train import default_optimizer
 from actune.tune.oom import is_oom
 
 __all__ = ["DIMENSIONS", "PRECISIONS", "Workload", "WorkloadError", "builtin", "check_precision",
-           "from_source", "load"]
+           "first_line", "from_source", "load"]
 
 DIMENSIONS = ("depth", "width", "resolution")
 
@@ -221,7 +221,7 @@ class Workload:
                 hint = (" There is no CUDA device here: create the tensors without device=... "
                         "(actune puts the batch on the device the step runs on).")
             raise WorkloadError(f"{self.name}: {what} raised {type(err).__name__}: "
-                                f"{_first_line(err)}{hint}") from err
+                                f"{first_line(err)}{hint}") from err
 
 
 #: In-place tensor methods that only set values (what ``torch.nn.init`` and modules'
@@ -279,7 +279,7 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else "(no message)"
 
@@ -328,7 +328,7 @@ def load(path: str | Path) -> Workload:
     except Exception as err:
         frame = traceback.extract_tb(err.__traceback__)[-1]
         raise WorkloadError(f"{p.name} raised {type(err).__name__} while being imported "
-                            f"(line {frame.lineno}): {_first_line(err)}") from err
+                            f"(line {frame.lineno}): {first_line(err)}") from err
     missing = [n for n in ("build_model", "make_batch") if not callable(getattr(module, n, None))]
     if missing:
         raise WorkloadError(

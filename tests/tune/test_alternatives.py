@@ -102,3 +102,45 @@ def test_model_file_names_its_blocks_and_the_cli_runs_every_alternative(tmp_path
     assert rows["L3+ckpt"]["value"] >= rows["L3"]["value"]
     assert "L3+ckpt: 1 of 2 blocks checkpointed" in result.output
     assert "offload: offload simulated" in result.output
+
+
+def test_checkpointing_turns_off_every_key_value_cache_as_hugging_face_does():
+    """T5's decoder (its own config copy) filled a cache in the forward and read it back in
+    the recomputation: checkpointing failed (a different number of tensors saved)."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_decoder_layers=2, num_heads=4, vocab_size=100,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config)
+    assert model.decoder.config.use_cache
+    assert apply_checkpointing(model) == 4
+    assert not model.config.use_cache and not model.decoder.config.use_cache
+    ids = torch.randint(1, 100, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.decoder.block[1].parameters())
+
+
+def test_a_step_that_fails_under_a_configuration_says_so_without_a_traceback(tmp_path):
+    model_file = tmp_path / "net.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Block(nn.Module):  # a different computation each call: recomputing fails\n"
+        "    calls = 0\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(16, 16)\n"
+        "    def forward(self, x):\n"
+        "        Block.calls += 1\n"
+        "        y = self.lin(x).tanh()\n"
+        "        return y.sin() if Block.calls % 2 else y\n"
+        "def build_model():\n"
+        "    return nn.Sequential(nn.Linear(8, 16), nn.Sequential(Block(), Block()),\n"
+        "                         nn.Linear(16, 4))\n"
+        "def make_batch(batch_size):\n"
+        "    return torch.randn(batch_size, 8), torch.randint(0, 4, (batch_size,))\n")
+    result = CliRunner().invoke(app, ["maxbatch", str(model_file), "--budget", "64MiB",
+                                      "--levels", "ckpt"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())  # (the error console wraps at its own width)
+    assert "ckpt: a step at batch 8 failed with CheckpointError" in said
+    assert "leave ckpt out of --levels" in said and "Traceback" not in said
