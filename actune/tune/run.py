@@ -336,12 +336,13 @@ _CHOICE_ROUNDS = 3
 def _choose_blocks(workload: Workload, config: Config, settings: Settings, result,
                    step_at: Callable[[int], tuple[dict, int]]) -> tuple[Config, int | None]:
     """With checkpointing: ``config`` with the blocks chosen by :mod:`actune.tune.selective`
-    at the answer ``result`` found (``step_at(value)``: the sizes and batch of its step), and
-    how many blocks the model has. Chosen by estimates in either mode: a measured search then
-    runs the blocks an estimate would."""
-    if not config.checkpoint or not result.value or not result.complete:
+    at the answer ``result`` found (a search's result, or a batch; ``step_at(value)``: the
+    sizes and batch of its step), and how many blocks the model has. Chosen by estimates in
+    either mode: a measured search then runs the blocks an estimate would."""
+    value = result if isinstance(result, int) else result.value if result.complete else None
+    if not config.checkpoint or not value:
         return config, None
-    sizes, batch = step_at(int(result.value))
+    sizes, batch = step_at(int(value))
     estimating = dataclasses.replace(settings, mode="estimate")
     names = block_names(estimating.trial(workload, config, sizes))
     return fewer_checkpoints(
@@ -557,8 +558,16 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
                                     budget=settings.search_budget,
                                     on_probe=_reporter(on_probe, level))
             used, probes = found.value, _probes(found.probes)
+        level, blocks = _choose_blocks(workload, level, settings, used or 0,
+                                       lambda value: (sizes, value))
+        if level.whole:  # (the configuration timed: the blocks maxbatch would choose there)
+            trial = Trial(workload, level, sizes, settings.mode, settings.device,
+                          settings.round_to)
         row = _row(level, used, probes=probes,
-                          note=_note(level, settings, real_steps=True))
+                   note="; ".join(n for n in (
+                       _note(level, settings, real_steps=True),
+                       describe_whole(level.whole, blocks) if level.whole and blocks else "")
+                       if n))
         if used:
             _fill(row, trial.peak(used), level)
         # each level at the edge of the budget, or one that empties the CUDA allocator's cache

@@ -95,3 +95,24 @@ def test_scale_chooses_the_blocks_too(tmp_path):
     assert sorted(rows["L3+ckpt"]["whole_blocks"]) == ["1", "2"]
     assert rows["L3+ckpt"]["value"] >= rows["L3"]["value"]
     assert "L3+ckpt: no block checkpointed" in result.output
+
+
+def test_bench_times_the_blocks_maxbatch_would_choose(tmp_path):
+    model_file = tmp_path / "net.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def block():\n"
+        "    return nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh())\n"
+        "def build_model():\n"
+        "    return nn.Sequential(nn.Linear(32, 256), block(), block(), nn.Linear(256, 10))\n"
+        "def checkpoint_blocks(model):\n"
+        "    return [model[1], model[2]]\n"
+        "def make_batch(batch_size):\n"
+        "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n")
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["bench", str(model_file), "--batch", "11000", "--levels",
+                                      "L0,L3+ckpt", "--steps", "1", "--warmup", "0",
+                                      "--json", str(out)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    rows = {r["level"]: r for r in json.loads(out.read_text())["levels"]}
+    assert rows["L3+ckpt"]["whole_blocks"] == ["2"] and rows["L3+ckpt"]["samples_per_s"] > 0
