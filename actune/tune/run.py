@@ -563,6 +563,12 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
         if level.whole:  # (the configuration timed: the blocks maxbatch would choose there)
             trial = Trial(workload, level, sizes, settings.mode, settings.device,
                           settings.round_to)
+            if at_max:  # its own largest batch, from the one found with every block
+                found = largest_fitting(lambda n, t=trial: t.probe(n, settings.budget.bytes),
+                                        start=used, step=multiple_of,
+                                        budget=settings.search_budget,
+                                        on_probe=_reporter(on_probe, level))
+                used, probes = found.value, probes + _probes(found.probes)
         row = _row(level, used, probes=probes,
                    note="; ".join(n for n in (
                        _note(level, settings, real_steps=True),
