@@ -308,16 +308,16 @@ class _Session:
         base, factor = base_ref(), factor_ref and factor_ref()
         if base is None or (factor_ref is not None and factor is None):
             return None
-        derived = Derived(base, weight, bias, factor=factor)
+        derived = Derived(base, weight, bias, t.shape, factor)  # (as this saver views it)
         ap = self.allocator()
-        if base.slot is None and ((ap is not None and derived.factor is None)
+        if base.slot is None and ((ap is not None and factor is None)
                                   or (derived.bits or 0) < bits):
             return None  # (a product's operands keep fixed bits, under an allocator too)
         if base.slot is not None and ap is not None:
             if new:
                 ap.share(base.slot)  # the slot stands for two saved tensors in the budget
             self._touch(base.slot, derived.noise_scale() if ap.collecting else None)
-        return derived.viewed(t.shape)
+        return derived
 
     # -- accounting: what autograd would keep (each storage once) and what is kept instead --
 

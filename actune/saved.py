@@ -246,10 +246,6 @@ class Derived:
                   if p is not None]
         return None if None in widths else min(widths)
 
-    def viewed(self, shape: torch.Size) -> Derived:
-        """The same rebuild, handed back as ``shape`` (a saver's view of the whole tensor)."""
-        return Derived(self.base, self.weight, self.bias, shape, self.factor)
-
     def noise_scale(self) -> torch.Tensor | None:
         """How much larger rounding noise is in the rebuilt tensor than in the base: the mean
         square of ``weight`` (a device scalar; None: the same)."""

@@ -91,14 +91,13 @@ class PackedCrossEntropy(torch.autograd.Function):
         for i, saved in enumerate(packed):
             start = i * rows
             c = coef[start:start + rows, None]
-            if dtype == torch.float32:  # (the product written where it goes: no copy)
-                part = torch.mul(saved.get(), c, out=out[start:start + rows])
-            else:
-                part = saved.fresh().float().mul_(c)
+            in_place = dtype == torch.float32  # (the product written where it goes: no copy)
+            part = (torch.mul(saved.get(), c, out=out[start:start + rows]) if in_place
+                    else saved.fresh().float().mul_(c))
             part.scatter_add_(1, ctx.target[start:start + rows, None], -(1 - smoothing) * c)
             if smoothing:
                 part.sub_(c * (smoothing / classes))
-            if part.dtype != dtype:
+            if not in_place:
                 out[start:start + rows] = part
             del part
         return out, None, None, None, None, None, None, None

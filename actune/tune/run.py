@@ -28,7 +28,7 @@ from actune.tune.ceiling import parameter_bytes, parameter_state_ceiling
 from actune.tune.compiled import calibrate, compiled_answer, measure_point
 from actune.tune.parallel import available_workers, run_searches
 from actune.tune.probe import Trial, prepare, warm_up
-from actune.tune.search import Probe, largest_fitting
+from actune.tune.search import Probe, SearchResult, largest_fitting
 from actune.tune.selective import block_names, describe_whole, fewer_checkpoints
 from actune.tune.sharding import Sharding, per_rank_parameter_share, release
 from actune.tune.workload import Workload
@@ -303,28 +303,22 @@ def _sharded(settings: Settings):
 def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes: dict,
                     start: int, multiple_of: int, maximum: int | None,
                     on_probe: Callable | None) -> LevelResult:
-    def search(config: Config, begin: int):
-        trial = settings.trial(workload, config, sizes)
-        return trial, largest_fitting(
+    trials: dict[Config, Trial] = {}
+
+    def search(config: Config, begin: int) -> SearchResult:
+        trial = trials[config] = settings.trial(workload, config, sizes)
+        return largest_fitting(
             lambda n: trial.probe(n, settings.budget.bytes), start=begin,
             step=multiple_of, maximum=maximum, budget=settings.search_budget,
             on_probe=_reporter(on_probe, config))
 
-    trial, result = search(level, start)
-    probes, blocks = list(result.probes), None
-    for _ in range(_CHOICE_ROUNDS):
-        chosen, blocks = _choose_blocks(workload, level, settings, result,
-                                        lambda value: (sizes, value))
-        if chosen == level:
-            break
-        level = chosen
-        trial, result = search(level, int(result.value))
-        probes += result.probes
+    level, result, probes, blocks = _choosing(workload, level, settings, search(level, start),
+                                              search, lambda value: (sizes, value))
     row = _row(level, result.value, probes=_probes(probes),
                complete=result.complete, capped=result.capped,
                note=_notes(level, settings, blocks))
     if result.value:
-        _fill_at(row, lambda: trial.peak(result.value), level)
+        _fill_at(row, lambda: trials[level].peak(result.value), level)
     return row
 
 
@@ -333,13 +327,31 @@ def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes
 _CHOICE_ROUNDS = 3
 
 
-def _choose_blocks(workload: Workload, config: Config, settings: Settings, result,
+def _choosing(workload: Workload, config: Config, settings: Settings, result: SearchResult,
+              search: Callable[[Config, int], SearchResult],
+              step_at: Callable[[int], tuple[dict, int]],
+              ) -> tuple[Config, SearchResult, list[Probe], int | None]:
+    """With checkpointing: the blocks chosen (:func:`_choose_blocks`) at ``result``'s answer,
+    searched again from there (``search(config, begin)``) and chosen again at the new answer,
+    up to :data:`_CHOICE_ROUNDS` times. The configuration, the last search's result, every
+    probe made, and how many blocks the model has (None: nothing chosen)."""
+    probes, blocks = list(result.probes), None
+    for _ in range(_CHOICE_ROUNDS):
+        chosen, blocks = _choose_blocks(workload, config, settings,
+                                        result.value if result.complete else None, step_at)
+        if chosen == config:
+            break
+        config, result = chosen, search(chosen, int(result.value))
+        probes += result.probes
+    return config, result, probes, blocks
+
+
+def _choose_blocks(workload: Workload, config: Config, settings: Settings, value: int | None,
                    step_at: Callable[[int], tuple[dict, int]]) -> tuple[Config, int | None]:
     """With checkpointing: ``config`` with the blocks chosen by :mod:`actune.tune.selective`
-    at the answer ``result`` found (a search's result, or a batch; ``step_at(value)``: the
-    sizes and batch of its step), and how many blocks the model has. Chosen by estimates in
-    either mode: a measured search then runs the blocks an estimate would."""
-    value = result if isinstance(result, int) else result.value if result.complete else None
+    at the answer ``value`` (``step_at(value)``: the sizes and batch of its step), and how
+    many blocks the model has. Chosen by estimates in either mode: a measured search then
+    runs the blocks an estimate would."""
     if not config.checkpoint or not value:
         return config, None
     sizes, batch = step_at(int(value))
@@ -404,27 +416,21 @@ def _scale_level(workload: Workload, level: Config, settings: Settings, dim: str
                  on_probe: Callable | None) -> LevelResult:
     trials: dict[int, Trial] = {}
 
-    def probe(n: int) -> Probe:
-        trials[n] = settings.trial(workload, level, {dim: n * unit})
-        p = trials[n].probe(batch, settings.budget.bytes)
-        return Probe(n, p.fits, p.peak)  # the size searched is the dimension, not the batch
+    def search(config: Config, begin: int) -> SearchResult:
+        trials.clear()
 
-    def search(begin: int):
+        def probe(n: int) -> Probe:
+            trials[n] = settings.trial(workload, config, {dim: n * unit})
+            p = trials[n].probe(batch, settings.budget.bytes)
+            return Probe(n, p.fits, p.peak)  # the size searched is the dimension, not the batch
+
         return largest_fitting(probe, start=begin, step=step, maximum=cap,
                                budget=settings.search_budget,
-                               on_probe=_reporter(on_probe, level))
+                               on_probe=_reporter(on_probe, config))
 
-    result = search(start)
-    probes, blocks = list(result.probes), None
-    for _ in range(_CHOICE_ROUNDS):
-        chosen, blocks = _choose_blocks(workload, level, settings, result,
-                                        lambda value: ({dim: value * unit}, batch))
-        if chosen == level:
-            break
-        level = chosen
-        trials.clear()
-        result = search(int(result.value))
-        probes += result.probes
+    level, result, probes, blocks = _choosing(workload, level, settings, search(level, start),
+                                              search, lambda value: ({dim: value * unit},
+                                                                     batch))
     value = result.value * unit if result.value else None
     row = _row(level, value,
                probes=[{**p, "size": p["size"] * unit} for p in _probes(probes)],
@@ -558,7 +564,7 @@ def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | 
                                     budget=settings.search_budget,
                                     on_probe=_reporter(on_probe, level))
             used, probes = found.value, _probes(found.probes)
-        level, blocks = _choose_blocks(workload, level, settings, used or 0,
+        level, blocks = _choose_blocks(workload, level, settings, used,
                                        lambda value: (sizes, value))
         if level.whole:  # (the configuration timed: the blocks maxbatch would choose there)
             trial = Trial(workload, level, sizes, settings.mode, settings.device,

@@ -72,18 +72,23 @@ def test_checkpointed_blocks_give_the_same_gradients_and_keep_less():
     assert Trial(workload, L4, {"resolution": 32}, "estimate").peak(16).host > 0
 
 
+#: A model file of two checkpointable blocks (Linear-Tanh pairs, 256 wide times ``width``)
+TWO_BLOCKS = (
+    "import torch\nfrom torch import nn\n"
+    "def block(h):\n"
+    "    return nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh())\n"
+    "def build_model(width=1.0):\n"
+    "    h = int(256 * width)\n"
+    "    return nn.Sequential(nn.Linear(32, h), block(h), block(h), nn.Linear(h, 10))\n"
+    "def checkpoint_blocks(model):  # the default finds none here: mixed children\n"
+    "    return [model[1], model[2]]\n"
+    "def make_batch(batch_size):\n"
+    "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n")
+
+
 def test_model_file_names_its_blocks_and_the_cli_runs_every_alternative(tmp_path):
     model_file = tmp_path / "net.py"
-    model_file.write_text(
-        "import torch\nfrom torch import nn\n"
-        "def block():\n"
-        "    return nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh())\n"
-        "def build_model():\n"
-        "    return nn.Sequential(nn.Linear(32, 256), block(), block(), nn.Linear(256, 10))\n"
-        "def checkpoint_blocks(model):  # the default finds none here: mixed children\n"
-        "    return [model[1], model[2]]\n"
-        "def make_batch(batch_size):\n"
-        "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n")
+    model_file.write_text(TWO_BLOCKS)
     out = tmp_path / "r.json"
     result = CliRunner().invoke(app, ["maxbatch", str(model_file), "--budget", "64MiB",
                                       "--levels", "L0,ckpt,L3,L3+ckpt,offload", "--json",

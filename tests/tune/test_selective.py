@@ -10,6 +10,7 @@ from actune.cli import app
 from actune.memory import Peak
 from actune.tune.alternatives import get_config
 from actune.tune.selective import block_at, describe_whole, fewer_checkpoints
+from tests.tune.test_alternatives import TWO_BLOCKS
 
 NAMES = ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
 
@@ -74,17 +75,7 @@ def test_a_forward_peak_keeps_every_block_checkpointed():
 
 def test_scale_chooses_the_blocks_too(tmp_path):
     model_file = tmp_path / "net.py"
-    model_file.write_text(
-        "import torch\nfrom torch import nn\n"
-        "def block(h):\n"
-        "    return nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh())\n"
-        "def build_model(width=1.0):\n"
-        "    h = int(256 * width)\n"
-        "    return nn.Sequential(nn.Linear(32, h), block(h), block(h), nn.Linear(h, 10))\n"
-        "def checkpoint_blocks(model):\n"
-        "    return [model[1], model[2]]\n"
-        "def make_batch(batch_size):\n"
-        "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n")
+    model_file.write_text(TWO_BLOCKS)
     out = tmp_path / "r.json"
     result = CliRunner().invoke(app, ["scale", "--dim", "width", str(model_file), "--batch",
                                       "8192", "--budget", "64MiB", "--levels", "L3,L3+ckpt",
@@ -99,16 +90,7 @@ def test_scale_chooses_the_blocks_too(tmp_path):
 
 def test_bench_times_the_blocks_maxbatch_would_choose(tmp_path):
     model_file = tmp_path / "net.py"
-    model_file.write_text(
-        "import torch\nfrom torch import nn\n"
-        "def block():\n"
-        "    return nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh())\n"
-        "def build_model():\n"
-        "    return nn.Sequential(nn.Linear(32, 256), block(), block(), nn.Linear(256, 10))\n"
-        "def checkpoint_blocks(model):\n"
-        "    return [model[1], model[2]]\n"
-        "def make_batch(batch_size):\n"
-        "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n")
+    model_file.write_text(TWO_BLOCKS)
     out = tmp_path / "r.json"
     result = CliRunner().invoke(app, ["bench", str(model_file), "--batch", "11000", "--levels",
                                       "L0,L3+ckpt", "--steps", "1", "--warmup", "0",
