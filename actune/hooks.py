@@ -551,6 +551,20 @@ class _Session:
         """Integers kept exactly in ``dtype`` (one byte each by default: values in [0, 256))."""
         return self._hold(self._new(values.to(dtype)), kind, replaces)
 
+    def draw_seed(self, like: torch.Tensor) -> int:
+        """A seed for a random draw over ``like`` that backward repeats (a dropout mask drawn
+        again); 0 for a fake tensor (an estimate: no values, nothing drawn)."""
+        return self._seeds() if type(like) is torch.Tensor else 0
+
+    def drawn_again(self, kind: str, replaces: tuple = ()) -> None:
+        """Account tensors that backward draws again from a seed: PyTorch kept ``replaces``,
+        this keeps nothing."""
+        if self.stats_sink is None and self.autoprec is None:
+            return
+        for r in replaces:
+            self.count(r)
+        self.stats.by_kind.setdefault(kind, 0)
+
     def pack_bool(self, mask: torch.Tensor, kind: str, replaces: tuple = ()) -> Saved:
         return self._hold(self._new(pack_mask(mask)), kind, replaces)
 

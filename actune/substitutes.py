@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
 
+from actune.random_masks import drawn_here, keep_mask
 from actune.saved import Saved, check_double_backward, take
 
 __all__ = ["LEAN_NUMEL", "LeanBatchNorm", "MaskedDropout", "MaskedLinear", "OffsetMaxPool",
@@ -281,14 +282,23 @@ class PackedReLU(torch.autograd.Function):
 
 
 class MaskedDropout(torch.autograd.Function):
-    """Dropout keeping its mask at 1 bit; the scale is PyTorch's (mask / (1 - p))."""
+    """Dropout with PyTorch's scale (mask / (1 - p)). On the CPU its mask is drawn from a seed
+    and drawn again in backward (nothing kept: :mod:`actune.random_masks`); elsewhere it is
+    kept at 1 bit."""
 
     @staticmethod
     def forward(ctx, x, p, inplace, session):
-        keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
-        noise = keep.to(x.dtype).div_(1 - p)
-        ctx.mask = session.pack_bool(keep, "mask", replaces=(noise,))
         ctx.scale = 1 - p
+        if drawn_here(x):
+            ctx.seed, ctx.shape = session.draw_seed(x), x.shape
+            keep = keep_mask(x.shape, 1 - p, ctx.seed, x)
+            noise = keep.to(x.dtype).div_(1 - p)
+            session.drawn_again("mask", replaces=(noise,))
+            ctx.mask = None
+        else:
+            keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
+            noise = keep.to(x.dtype).div_(1 - p)
+            ctx.mask = session.pack_bool(keep, "mask", replaces=(noise,))
         if inplace:
             ctx.mark_dirty(x)
             return x.mul_(noise)
@@ -297,8 +307,9 @@ class MaskedDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         check_double_backward()
-        noise = take(ctx, "mask").get().to(grad.dtype).div_(ctx.scale)
-        return grad * noise, None, None, None
+        keep = (keep_mask(ctx.shape, ctx.scale, ctx.seed, grad) if ctx.mask is None
+                else take(ctx, "mask").get())
+        return grad * keep.to(grad.dtype).div_(ctx.scale), None, None, None
 
 
 class SavedDerivative(torch.autograd.Function):

@@ -204,3 +204,9 @@ def unpack(codes: np.ndarray, meta: np.ndarray, bits: int, numel: int,
     else:
         y = lo.astype(t)[:, None] + code * scale.astype(t)[:, None]
     return y.reshape(-1)[:numel]
+
+
+def keep_mask(n: int, seed: int, keep: float) -> np.ndarray:
+    """Dropout's keep mask of ``n`` elements for ``seed`` (bool): element ``i`` is kept when
+    its 24 random bits fall below ``round(keep * 2**24)``."""
+    return random24(seed, np.arange(n, dtype=np.uint64)) < np.uint64(round(keep * (1 << 24)))

@@ -221,17 +221,25 @@ def test_inplace_relu_mask_is_exact_at_l3():
     assert torch.equal(got, ref)
 
 
-def test_dropout_mask_is_kept_at_one_bit_and_exact():
+def test_dropout_mask_is_drawn_again_in_backward_and_exact():
     x = torch.randn(32, 512, requires_grad=True)
     g = torch.randn(32, 512)
     st = []
+    torch.manual_seed(0)
     with actune.compressed("L3", stats=st.append):
         y = F.dropout(x, 0.3, training=True)
+        y2 = F.dropout(x, 0.3, training=True)
     (got,) = torch.autograd.grad(y, x, g)
     keep = y != 0
     assert torch.equal(got, g * keep.float().div_(0.7))  # PyTorch's dropout backward
-    assert 0.65 < keep.float().mean() < 0.75
-    assert st[0].by_kind["mask"] == 32 * 512 // 8
+    assert torch.allclose(y[keep], x[keep] / 0.7, rtol=1e-6, atol=0)
+    assert 0.69 < keep.float().mean() < 0.71  # 16,384 draws: 0.7 +- 0.0036 (1 sd)
+    assert not torch.equal(keep, y2 != 0)  # each call its own mask
+    assert st[0].by_kind["mask"] == 0  # on the CPU nothing is kept: the mask is drawn again
+    torch.manual_seed(0)
+    with actune.compressed("L3"):
+        again = F.dropout(x, 0.3, training=True)
+    assert torch.equal(again, y)  # torch.manual_seed repeats the masks
 
 
 # -- memory -----------------------------------------------------------------------------------

@@ -8,9 +8,14 @@ unbiased), q and k at the level's ``nonlinear_bits`` (8 at L2-L5: their rounding
 softmax nonlinearly, a bias measured in docs/training.md; exact where the level sets none),
 and neither the output nor the log-sum-exp: backward runs the attention forward once more
 (with the forward's random state, for dropout, and its autocast state) and differentiates
-that. A learned additive bias (a float ``attn_mask`` that requires grad: a relative position
-bias) gets its gradient from the same recomputation; the bias is kept as a reference when it
-is a parameter, else as a 1-bit mask of the entries it masks (far below their row's largest:
+that. With dropout on the CPU (where PyTorch's only backend for it is its math one, drawing
+the mask with ``bernoulli_``) the rule computes the same math itself, the dropout mask drawn
+from a seed (:mod:`actune.random_masks`) and drawn again in backward: nothing more is kept,
+and the forward takes 0.4x of PyTorch's time there (docs/benchmarks.md).
+
+A learned additive bias (a float ``attn_mask`` that requires grad: a relative position bias)
+gets its gradient from the same recomputation; the bias is kept as a reference when it is a
+parameter, else as a 1-bit mask of the entries it masks (far below their row's largest:
 ``exp`` of them is 0) and the rest at ``nonlinear_bits`` (it enters the softmax nonlinearly,
 like q and k; exact where the level sets none). Eager attention (matmuls, the bias's add,
 softmax, dropout) is covered by those ops' own rules.
@@ -23,6 +28,7 @@ import contextlib
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from actune.random_masks import drawn_here, keep_mask
 from actune.rules import register
 from actune.rules.activations import compressible
 from actune.saved import check_double_backward, get_many, plain_saving, take
@@ -55,6 +61,28 @@ def _sdpa(q, k, v, options, bias=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if bias is None else bias,
                                           dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                           **extra)
+
+
+def _math(q, k, v, options, bias, seed):
+    """PyTorch's math attention (scaled ``q k^T``, the mask or bias, a softmax that gives 0
+    for fully masked rows, dropout, ``@ v``) with dropout's mask drawn from ``seed``."""
+    mask, dropout_p, is_causal, scale, gqa = options
+    if gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else scale
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    mask = mask if bias is None else bias
+    if is_causal:
+        rows, cols = scores.shape[-2:]
+        upper = torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu_(1)
+        scores = scores.masked_fill(upper, float("-inf"))
+    if mask is not None:
+        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                  else scores + mask)
+    probs = torch.ops.aten._safe_softmax(scores, -1)
+    keep = keep_mask(probs.shape, 1 - dropout_p, seed, probs)
+    return torch.matmul(probs * keep, v).div_(1 - dropout_p)
 
 
 #: an entry of a learned bias this far below its row's largest is a mask: ``exp`` of it
@@ -92,10 +120,13 @@ class RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, options, level, session):
         device = q.device
-        ctx.rng = _rng_state(device) if options[1] > 0 else None
+        drawn = options[1] > 0 and drawn_here(q) and not torch.is_autocast_enabled("cpu")
+        ctx.seed = session.draw_seed(q) if drawn else None
+        ctx.rng = _rng_state(device) if options[1] > 0 and not drawn else None
         ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
                         torch.get_autocast_dtype(device.type))
-        out = _sdpa(q, k, v, options, bias)
+        out = (_math(q, k, v, options, bias, ctx.seed) if drawn
+               else _sdpa(q, k, v, options, bias))
         session.count(out)  # what PyTorch's backends keep besides q, k and v
         ctx.bias = None if bias is None else _pack_bias(session, bias, q, level)
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -121,7 +152,8 @@ class RecomputedAttention(torch.autograd.Function):
             inputs.append(_unpack_bias(take(ctx, "bias"), ctx.bias_dtype).detach()
                           .requires_grad_(needs[3]))
         with torch.enable_grad(), _replayed(ctx), plain_saving():
-            out = _sdpa(*inputs[:3], ctx.options, *inputs[3:])
+            out = (_sdpa(*inputs[:3], ctx.options, *inputs[3:]) if ctx.seed is None
+                   else _math(*inputs[:3], ctx.options, (inputs[3:] or [None])[0], ctx.seed))
         wanted = [t for t, need in zip(inputs, needs, strict=False) if need]
         found = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         return (*(next(found) if need else None for need in needs), None, None, None)

@@ -57,7 +57,9 @@ def test_q_and_k_at_nonlinear_bits_are_close(bits):
         assert relative_error(g[0], e[0]) < (0.02 if bits == 8 else 0.3)
 
 
-def test_dropout_is_replayed_in_the_recomputation():
+def test_dropout_off_the_cpu_is_replayed_in_the_recomputation(monkeypatch):
+    # (CUDA's path, taken here by declaring the CPU unable to draw masks itself)
+    monkeypatch.setattr("actune.rules.attention.drawn_here", lambda t: False)
     inputs = qkv()
     fn = attention({"dropout_p": 0.3})
     torch.manual_seed(7)
@@ -69,6 +71,41 @@ def test_dropout_is_replayed_in_the_recomputation():
     got = torch.autograd.grad(y.sum(), inputs)
     for g, e in zip(got, exact, strict=True):
         assert relative_error(g, e) < 0.02
+
+
+@pytest.mark.parametrize("case", [*CASES, "bias"])
+def test_dropout_on_the_cpu_is_pytorchs_math_with_a_mask_drawn_again(case, monkeypatch):
+    inputs = qkv(kv_heads=2 if case == "gqa" else 4)
+    kwargs = dict(CASES.get(case, {}), dropout_p=0.3)
+    if case == "bias":
+        kwargs["attn_mask"] = torch.randn(4, 32, 32, requires_grad=True)
+        inputs = (*inputs, kwargs["attn_mask"])
+    masks = []
+    import actune.rules.attention as rule
+
+    def spied(*args):
+        masks.append(rule_keep(*args))
+        return masks[-1]
+
+    rule_keep = rule.keep_mask
+    monkeypatch.setattr(rule, "keep_mask", spied)
+    g = torch.randn(2, 4, 32, 16, generator=torch.Generator().manual_seed(3))
+    with actune.compressed(level(8, nonlinear_bits=8)):
+        y = F.scaled_dot_product_attention(*(t * 1.0 for t in inputs[:3]), **kwargs)
+    torch.manual_seed(99)  # the torch stream does not matter: the mask is drawn from a seed
+    got = torch.autograd.grad(y, inputs, g)
+    assert len(masks) == 2 and torch.equal(masks[0], masks[1])  # drawn again in backward
+    assert 0.65 < masks[0].float().mean() < 0.75
+    math = dict(kwargs, dropout_mask=masks[0])
+    math.pop("dropout_p")
+    if case == "bool_mask":  # (the math op adds its mask: PyTorch's front end converts it)
+        math["attn_mask"] = torch.zeros(32, 32).masked_fill(~kwargs["attn_mask"], -torch.inf)
+    ref = torch.ops.aten._scaled_dot_product_attention_math(*inputs[:3], dropout_p=0.3,
+                                                            **math)[0]
+    assert relative_error(y, ref) < 1e-5  # the forward: exact
+    exact = torch.autograd.grad(ref, inputs, g)
+    for gq, e in zip(got, exact, strict=True):  # backward: q, k, v at 8 bits
+        assert relative_error(gq, e) < 0.02
 
 
 def test_keeps_only_packed_q_k_v():
