@@ -612,7 +612,9 @@ def rounding_noise(packed: PackedTensor | PackedSamples | PackedRows, samples: i
         levels = 2**packed.bits - 1 - int(packed.zero_code)
     per_group = (steps * levels).square() * (packed.group_size / 6.0)
     numel = math.prod(packed.shape)
-    if samples > 1 and (numel // samples) % packed.group_size == 0:
+    # (the column layout's groups come a row block of every feature at a time)
+    unit = packed.group_size * (packed.shape[-1] if getattr(packed, "by_feature", False) else 1)
+    if samples > 1 and (numel // samples) % unit == 0:
         return per_group.view(samples, -1).sum(1)
     return (per_group.sum() / samples).expand(samples)
 

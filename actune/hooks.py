@@ -426,8 +426,8 @@ class _Session:
         self.cache[key] = (weakref.ref(t), weakref.ref(saved, _dropper(self.cache, key)))
 
     def _pack_allocated(self, t: torch.Tensor, kind: str, by_feature: bool = False) -> Saved:
-        """Pack with the bits the allocator gives this slot (``by_feature``: from
-        :func:`feature_major`'s copy), or find it in the cache if the storage was packed
+        """Pack with the bits the allocator gives this slot (``by_feature``: each group one
+        feature's values), or find it in the cache if the storage was packed
         already (this op reads that slot too)."""
         key = _storage_key(t, _ALLOCATED)
         found = self._cached(key)
@@ -437,8 +437,7 @@ class _Session:
             # an elementwise op's operand takes 2 bits at least, as a derivative does: at one
             # bit its noise is larger than the activation itself (a norm's input may take 1)
             floor = 2 if kind == _OTHER and self.only_shape is None else 1
-            packed, slot = self._quantize_planned(feature_major(t) if by_feature else t, False,
-                                                  floor)
+            packed, slot = self._quantize_planned(t, False, floor, by_feature)
             found = self._hold(self._new(packed), kind)
             found.slot = slot
             self._remember(key, t, found)
@@ -446,19 +445,21 @@ class _Session:
         self._touch(found.slot)
         return found
 
-    def _quantize_planned(self, t: torch.Tensor, zero_code: bool,
-                          floor: int = 1) -> tuple[object, int]:
-        """Pack ``t`` as the allocator plans its next slot; returns the packed form and slot."""
+    def _quantize_planned(self, t: torch.Tensor, zero_code: bool, floor: int = 1,
+                          by_feature: bool = False) -> tuple[object, int]:
+        """Pack ``t`` as the allocator plans its next slot (``by_feature``: each group one
+        feature's values; per-sample widths from :func:`feature_major`'s copy); returns the
+        packed form and slot."""
         ap = self.autoprec
         plan: Plan = ap.plan(t, zero_code, floor)
         group = self.level.group_size
         if plan.bits == 0:
             return pack_mask(t > 0), plan.slot
         if plan.by_rank:
-            packed = quantize_samples(t, plan.by_rank, group_size=group, zero_code=zero_code,
-                                      weight=plan.weight)
+            packed = quantize_samples(feature_major(t) if by_feature else t, plan.by_rank,
+                                      group_size=group, zero_code=zero_code, weight=plan.weight)
         else:
-            packed = self._quantize(t, plan.bits, zero_code)
+            packed = self._quantize(t, plan.bits, zero_code, by_feature)
         ap.observe(plan, packed, t)
         return packed, plan.slot
 
@@ -472,12 +473,14 @@ class _Session:
         self.seed = first + n
         return first
 
-    def _quantize(self, t: torch.Tensor, bits: int, zero_code: bool = False):
+    def _quantize(self, t: torch.Tensor, bits: int, zero_code: bool = False,
+                  by_feature: bool = False):
         """:func:`~actune.quant.quantize` at the level's group size, seeded by :meth:`_seeds`
-        (a fake tensor draws nothing: its values do not exist)."""
+        (a fake tensor draws nothing: its values do not exist); ``by_feature``: in
+        feature-major order (:func:`~actune.quant.feature_order`)."""
         return quantize_checked(t, bits, self.level.group_size,
                                 self._seeds() if type(t) is torch.Tensor else -1,
-                                zero_code=zero_code)
+                                zero_code=zero_code, by_feature=by_feature)
 
     def _touch(self, slot: int | None, scale: torch.Tensor | None = None) -> None:
         """The running op reads ``slot`` (``scale``: its noise there, relative to the slot's)."""
@@ -486,18 +489,15 @@ class _Session:
 
     def _pack(self, t: torch.Tensor, bits: int | None, kind: str, make: Callable | None = None,
               by_feature: bool = False, zero_code: bool = False) -> Saved:
-        """``t`` packed (by ``make()``, else quantized at ``bits``, from :func:`feature_major`'s
-        copy with ``by_feature``), or what a saver of the same value packed before. (No
+        """``t`` packed (by ``make()``, else quantized at ``bits``, in feature-major order with
+        ``by_feature``), or what a saver of the same value packed before. (No
         closure on the quantizing path: it runs for every compressed tensor.)"""
         key = _storage_key(t, bits)
         found = self._cached(key)
         if found is not None:
             found.readers += 1
             return found
-        if make is not None:
-            packed = make()
-        else:
-            packed = self._quantize(feature_major(t) if by_feature else t, bits, zero_code)
+        packed = make() if make is not None else self._quantize(t, bits, zero_code, by_feature)
         saved = self._new(packed)
         saved.readers = 1
         self._remember(key, t, saved)
@@ -507,14 +507,16 @@ class _Session:
 
     def pack_value(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = (),
                    share_as: torch.Tensor | None = None, zero_code: bool = False,
-                   dirty: bool = False, reads: bool = True) -> Saved:
+                   dirty: bool = False, reads: bool = True, by_feature: bool = False) -> Saved:
         """Pack ``t`` in place of the tensors ``replaces`` that PyTorch's op would save; with
         ``share_as``, later savers of that tensor reuse this packed copy (``dirty``: the
         function marks it dirty, which bumps its version once more after forward). ``reads``:
-        this op's backward reads the rounded values (not only its exact zeros)."""
+        this op's backward reads the rounded values (not only its exact zeros). ``by_feature``:
+        in feature-major order (:func:`~actune.quant.feature_order`)."""
         if self.allocator() is not None:
             # a derivative at one bit keeps only its group's ends: 2 at least
-            packed, slot = self._quantize_planned(t, zero_code, 2 if kind == "derivative" else 1)
+            packed, slot = self._quantize_planned(t, zero_code,
+                                                  2 if kind == "derivative" else 1, by_feature)
             saved = self._hold(self._new(packed), kind, replaces)
             saved.slot = slot
             if reads:
@@ -523,17 +525,19 @@ class _Session:
                 saved.readers = 1  # (the substitute's backward; savers that share it add theirs)
                 self._remember(_storage_key(share_as, _ALLOCATED, int(dirty)), share_as, saved)
             return saved
-        packed = self._quantize(t, bits, zero_code)
+        packed = self._quantize(t, bits, zero_code, by_feature)
         saved = self._hold(self._new(packed), kind, replaces)
         if share_as is not None:
             saved.readers = 1
             self._remember(_storage_key(share_as, bits, int(dirty)), share_as, saved)
         return saved
 
-    def pack_fixed(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = ()) -> Saved:
+    def pack_fixed(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = (),
+                   by_feature: bool = False) -> Saved:
         """Pack ``t`` at ``bits`` whatever the allocator would choose (tensors whose bits the
-        level sets apart: attention's q and k, the loss's probabilities)."""
-        packed = self._quantize(t, bits)
+        level sets apart: attention's q and k, the loss's probabilities); ``by_feature``: in
+        feature-major order (:func:`~actune.quant.feature_order`)."""
+        packed = self._quantize(t, bits, by_feature=by_feature)
         return self._hold(self._new(packed), kind, replaces)
 
     def pack_fixed_many(self, items: list[tuple[torch.Tensor, int, str]]) -> list[Saved]:

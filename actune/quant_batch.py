@@ -144,13 +144,13 @@ def _pack_batch(xs: list[torch.Tensor], widths: list[int], zeros: list[bool],
 
 def dequantize_many(ps: Sequence[PackedTensor]) -> list[torch.Tensor]:
     """:func:`actune.quant.dequantize` of each packed tensor, small CPU and CUDA ones (under
-    ``SMALL_UNPACK`` elements) in one kernel call per device, group size and precision, the
-    others in a call each. The small ones' results are views of one buffer (freed when the
-    last of them is)."""
+    ``SMALL_UNPACK`` elements, not in feature-major order) in one kernel call per device,
+    group size and precision, the others in a call each. The small ones' results are views of
+    one buffer (freed when the last of them is)."""
     out: list[torch.Tensor | None] = [None] * len(ps)
     batches: dict[tuple[torch.device, int, torch.dtype], list[int]] = {}
     for i, p in enumerate(ps):
-        if _batchable(p.codes, p.numel(), SMALL_UNPACK):
+        if _batchable(p.codes, p.numel(), SMALL_UNPACK) and not p.by_feature:
             batches.setdefault((p.codes.device, p.group_size, _work_dtype(p.dtype)),
                                []).append(i)
         else:

@@ -13,6 +13,11 @@ stores:
 * ``codes``: ``group_size * bits / 8`` bytes, element ``j`` of the group at bit offset
   ``j * bits`` (least significant bits first).
 
+The column layout (:mod:`actune_kernels.cpu_columns`, for features-last tensors on the CPU)
+uses the same words and codes with other groups: a ``[rows, features]`` tensor is cut into
+blocks of ``group_size`` rows, each feature of a block is one group (``meta[block * features
++ feature]``), and the codes stay in memory order (element ``i`` at bit offset ``i * bits``).
+
 A group holding NaN or inf, or values beyond +-2**126, stores a NaN ``lo``; it dequantizes to
 NaN, so non-finite activations propagate visibly (as mixed-precision loss scaling expects)
 instead of turning into silent garbage.

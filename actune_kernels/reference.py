@@ -210,3 +210,66 @@ def keep_mask(n: int, seed: int, keep: float) -> np.ndarray:
     """Dropout's keep mask of ``n`` elements for ``seed`` (bool): element ``i`` is kept when
     its 24 random bits fall below ``round(keep * 2**24)``."""
     return random24(seed, np.arange(n, dtype=np.uint64)) < np.uint64(round(keep * (1 << 24)))
+
+
+def pack_columns(x: np.ndarray, bits: int, rows: int, seed: int = 0, stochastic: bool = True,
+                 zero_code: bool = False, base: int = 0):
+    """The column layout (:mod:`actune_kernels.cpu_columns`) of a 2-D ``[R, F]`` array:
+    groups of ``rows`` rows by one feature, metadata block-major (``meta[b * F + f]``), codes
+    in memory order (padding rows code 0), element ``(r, f)`` at stream index
+    ``base + r * F + f``.
+    Returns (codes, meta) as :func:`pack`."""
+    layout.check_bits(bits)
+    x = np.ascontiguousarray(x)
+    total, width = x.shape
+    t = x.dtype.type
+    blocks = -(-total // rows)
+    grid = np.zeros((blocks * rows, width), dtype=x.dtype)
+    grid[:total] = x
+    inside = np.broadcast_to((np.arange(blocks * rows) < total)[:, None], grid.shape)
+    cube, cin = grid.reshape(blocks, rows, width), inside.reshape(blocks, rows, width)
+    finite = np.where(cin, np.isfinite(cube), True).all(axis=1)
+    counted = cin & (cube > 0) if zero_code else cin
+    mn = np.where(counted, cube, np.inf).min(axis=1, initial=np.inf)
+    mx = np.where(cin, cube, -np.inf).max(axis=1, initial=-np.inf)
+    mn = np.where(finite, mn, np.nan)
+    lo_word, scale_word, lo, scale = group_meta(mn.reshape(-1), mx.reshape(-1), bits, zero_code)
+    levels = (1 << bits) - 1
+    lo_t = lo.astype(t).reshape(blocks, 1, width)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv_t = np.where(scale > 0, t(1) / scale.astype(t), t(0)).astype(t)
+        v = (cube - lo_t) * inv_t.reshape(blocks, 1, width)
+        floor = np.floor(v)
+        frac = v - floor
+    if stochastic:
+        index = np.uint64(base) + np.arange(cube.size, dtype=np.uint64)
+        up = random24(seed, index).reshape(cube.shape).astype(t) * t(INV_2_24) < frac
+    else:
+        up = frac >= t(0.5)
+    base_code = 1 if zero_code else 0
+    code = np.clip(np.nan_to_num(floor) + base_code + up, base_code, levels).astype(np.uint8)
+    code[~cin | ~np.isfinite(lo).reshape(blocks, 1, width)] = 0
+    if zero_code:
+        code[~(cube > 0)] = 0
+    per = 8 // bits
+    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+    codes = (code.reshape(-1, per) << shifts).sum(axis=1, dtype=np.uint8)
+    return codes.astype(np.uint8), np.stack([lo_word, scale_word], axis=1)
+
+
+def unpack_columns(codes: np.ndarray, meta: np.ndarray, bits: int, total: int, width: int,
+                   rows: int, dtype=np.float32, zero_code: bool = False) -> np.ndarray:
+    """Dequantize :func:`pack_columns`'s output to an ``[total, width]`` array of ``dtype``."""
+    t = np.dtype(dtype).type
+    per = 8 // bits
+    shifts = (np.arange(per, dtype=np.uint8) * bits).astype(np.uint8)
+    blocks = -(-total // rows)
+    code = ((codes[:, None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(blocks, rows, width)
+    code = code.astype(t)
+    lo, scale = meta_values(meta)
+    lo = lo.astype(t).reshape(blocks, 1, width)
+    scale = scale.astype(t).reshape(blocks, 1, width)
+    y = lo + (code - t(1) if zero_code else code) * scale
+    if zero_code:
+        y = np.where(code == 0, t(0), y)
+    return y.reshape(-1, width)[:total]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import actune
+from actune.quant import dequantize, quantize_checked
 from actune_kernels import layout
 from actune_kernels import reference as ref
 
@@ -240,3 +241,41 @@ def test_packed_buffers_that_are_not_contiguous_are_read_as_their_values():
     assert not meta_t.is_contiguous() and not codes_s.is_contiguous()
     q = dataclasses.replace(p, codes=codes_s, meta=meta_t)
     assert torch.equal(actune.dequantize(q), actune.dequantize(p))
+
+
+@pytest.mark.parametrize("shape,dtype,bits", [((4, 33, 48), torch.float32, 2),
+                                              ((100, 24), torch.float64, 4),
+                                              ((2, 3, 5, 8), torch.bfloat16, 8),
+                                              ((3, 7, 16), torch.float32, 1)])
+def test_by_feature_on_the_cpu_is_the_column_layout_with_no_copy(shape, dtype, bits):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    p = quantize_checked(x, bits, 64, 11, by_feature=True)
+    rows = x.numel() // shape[-1]
+    flat = x.reshape(rows, shape[-1])
+    codes, meta = ref.pack_columns(flat.float().numpy() if dtype == torch.bfloat16
+                                   else flat.numpy(), bits, min(64, rows), 11)
+    assert p.by_feature and p.group_size == min(64, rows)
+    assert np.array_equal(p.codes.numpy(), codes)
+    assert np.array_equal(p.meta.numpy().view(np.uint16), meta)
+    y = dequantize(p)
+    assert y.is_contiguous() and y.dtype == dtype and y.shape == x.shape
+    assert float((y.float() - x.float()).abs().max()) <= max_step(p) * 1.01
+    with FakeTensorMode() as mode:  # an estimate: the same bytes, a row-major output
+        fake = quantize_checked(mode.from_tensor(x), bits, 64, -1, by_feature=True)
+        assert fake.nbytes == p.nbytes and dequantize(fake).is_contiguous()
+
+
+def test_by_feature_off_the_column_layout_packs_a_feature_major_copy():
+    from actune.saved import feature_major
+
+    x = torch.randn(4, 33, 45)  # 45 features: not a multiple of 8
+    p = quantize_checked(x, 2, 256, 5, by_feature=True)
+    q = quantize_checked(feature_major(x), 2, 256, 5)
+    assert not p.by_feature and torch.equal(p.codes, q.codes) and p.stride == q.stride
+    assert torch.equal(dequantize(p), dequantize(q))
+
+
+def test_by_feature_leaves_tensors_without_that_order_as_they_are():
+    for x in (torch.randn(5), torch.randn(7, 1), torch.randn(1, 9), torch.randn(6, 4).t()):
+        p = quantize_checked(x, 8, 8, 3, by_feature=True)
+        assert not p.by_feature and torch.equal(p.codes, quantize_checked(x, 8, 8, 3).codes)

@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune.rules import register
 from actune.rules.activations import compressible
-from actune.saved import check_double_backward, feature_major, take
+from actune.saved import check_double_backward, take
 from actune.substitutes import SavedDerivative, arg
 
 register((torch.exp, torch.Tensor.exp, torch.square, torch.Tensor.square),
@@ -115,8 +115,8 @@ class GatedProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, bits, session, held):
-        ctx.a = session.pack_fixed(feature_major(a), bits, "product", replaces=(a,))
-        ctx.b = session.pack_fixed(feature_major(b), bits, "product", replaces=(b,))
+        ctx.a = session.pack_fixed(a, bits, "product", replaces=(a,), by_feature=True)
+        ctx.b = session.pack_fixed(b, bits, "product", replaces=(b,), by_feature=True)
         held.extend((ctx.a, ctx.b))
         return a * b
 

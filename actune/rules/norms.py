@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: N812
 from actune import substitutes
 from actune.rules import register
 from actune.rules.activations import compressible
-from actune.saved import check_double_backward, feature_major, take
+from actune.saved import check_double_backward, take
 from actune.substitutes import LeanBatchNorm, arg
 
 _KEEPS = "input rounded at other bits; statistics exact"
@@ -93,8 +93,8 @@ class SharedNorm(torch.autograd.Function):
         else:
             out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
             x_hat = (x - mean).mul_(rstd).to(x.dtype)
-        saved = session.pack_value(feature_major(x_hat), shared_width(session.level), "norm",
-                                   replaces=(x,), reads=False)
+        saved = session.pack_value(x_hat, shared_width(session.level), "norm",
+                                   replaces=(x,), reads=False, by_feature=True)
         del x_hat
         held.append(saved)
         ctx.x_hat, ctx.shape, ctx.rms = saved, shape, rms

@@ -80,24 +80,22 @@ def test_feature_major_keeps_values_and_samples_and_puts_features_first():
         assert feature_major(kept) is kept  # strided, 1-D, one feature, or one row
 
 
-def test_only_a_weights_input_is_grouped_by_feature():
+def test_only_a_weights_input_is_grouped_by_feature(monkeypatch):
     # attention's scores and probabilities (two activations multiplied) keep row groups
     seen = []
-    original = hooks.feature_major
+    original = hooks.quantize_checked
 
-    def spy(t):
-        seen.append(tuple(t.shape))
-        return original(t)
+    def spy(t, *args, by_feature=False, **kwargs):
+        if by_feature:
+            seen.append(tuple(t.shape))
+        return original(t, *args, by_feature=by_feature, **kwargs)
 
     w = torch.nn.Parameter(torch.randn(64, 64))
     a = torch.randn(8, 64, 64).requires_grad_()
-    hooks.feature_major = spy
-    try:
-        with actune.compressed(level(2)):
-            h = a * 1.0
-            (h @ h.transpose(-1, -2)).sum().backward(retain_graph=True)
-            assert seen == []
-            (h @ w).sum().backward()
-    finally:
-        hooks.feature_major = original
+    monkeypatch.setattr(hooks, "quantize_checked", spy)
+    with actune.compressed(level(2)):
+        h = a * 1.0
+        (h @ h.transpose(-1, -2)).sum().backward(retain_graph=True)
+        assert seen == []
+        (h @ w).sum().backward()
     assert seen == [(512, 64)]  # (matmul folds the batch into the rows of an mm)
