@@ -125,13 +125,17 @@ def _rms_backward(grad, x_hat, rstd, weight, ndims: int, weight_grad: bool):
     """``rstd * (g w - x_hat * mean(g w x_hat))`` and (``weight_grad``) ``sum g x_hat``, in
     ``rstd``'s dtype."""
     dims = tuple(range(grad.dim() - ndims, grad.dim()))
+    lead = tuple(range(grad.dim() - ndims))
     g, xh = grad.to(rstd.dtype), x_hat.to(rstd.dtype)
+    if weight is not None and ndims == 1:  # (the common case: fewer passes, no mean's temporary)
+        w = weight.to(rstd.dtype)
+        gx = g * xh
+        dot = torch.matmul(gx, w).div_(w.numel()).unsqueeze(-1)  # mean(g w x_hat)
+        dx = (g * w).addcmul_(xh, dot, value=-1).mul_(rstd).to(grad.dtype)
+        return dx, gx.sum(lead).to(weight.dtype) if weight_grad else None
     gw = g if weight is None else g * weight.to(rstd.dtype)
     dx = (gw - xh * (gw * xh).mean(dims, keepdim=True)).mul_(rstd).to(grad.dtype)
-    dw = None
-    if weight_grad:
-        lead = tuple(range(grad.dim() - ndims))
-        dw = (g * xh).sum(lead).to(weight.dtype)
+    dw = (g * xh).sum(lead).to(weight.dtype) if weight_grad else None
     return dx, dw
 
 
