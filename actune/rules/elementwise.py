@@ -125,9 +125,16 @@ class GatedProduct(torch.autograd.Function):
         check_double_backward()
         needs = ctx.needs_input_grad
         a, b = take(ctx, "a"), take(ctx, "b")
-        da = grad * b.get() if needs[0] else None
-        db = grad * a.get() if needs[1] else None
-        return da, db, None, None, None
+        return (_times(grad, b) if needs[0] else None, _times(grad, a) if needs[1] else None,
+                None, None, None)
+
+
+def _times(grad: torch.Tensor, saved) -> torch.Tensor:
+    """``grad`` times a packed operand, written over its dequantized copy where the dtypes
+    agree (one temporary less)."""
+    value = saved.fresh()
+    return value.mul_(grad) if value.dtype == grad.dtype and value.shape == grad.shape \
+        else grad * value
 
 _DERIVATIVE = "derivative rounded at other bits (used linearly)"
 
