@@ -73,6 +73,10 @@ _BOUNDARY = "checkpoint boundary"
 _SEEN_LIMIT = 4096
 
 
+def _NO_REF() -> None:  # noqa: N802 - a dead weak reference's stand-in
+    return None
+
+
 def _dropper(table: dict, key: tuple, at: int = 1) -> Callable[[weakref.ref], None]:
     """A weak reference's callback that removes ``table[key]`` if the entry still holds that
     reference at index ``at`` (not a later entry under the same key)."""
@@ -154,7 +158,7 @@ class _Session:
         self.seen_limit = _SEEN_LIMIT  # entries before the dead ones are dropped
         # tensors a later saver rebuilds from another's packed value (a layer norm's output
         # from its normalised input): storage key without shape -> (alive, version, Derived)
-        self.derived: dict[tuple, tuple] = {}
+        self.derived: dict[tuple, list] = {}
         self.last_offloaded: Saved | None = None
         self.stats = CompressionStats()
         self.autoprec: AutoPrecision | None = None
@@ -291,9 +295,10 @@ class _Session:
         if t.is_contiguous():  # (held weakly, as the cache's values are: see _remember)
             key = _whole_key(t)
             drop = _dropper(self.derived, key, 2)
-            self.derived[key] = (StorageWeakRef(t.untyped_storage()), t._version,
+            self.derived[key] = [StorageWeakRef(t.untyped_storage()), t._version,
                                  weakref.ref(base, drop), weight, bias,
-                                 None if factor is None else weakref.ref(factor, drop))
+                                 None if factor is None else weakref.ref(factor, drop),
+                                 _NO_REF]
 
     def _derived(self, t: torch.Tensor, bits: int, new: bool) -> Derived | None:
         """``t`` as a :class:`Derived` if it is a tensor :meth:`derive` named, unchanged since,
@@ -304,11 +309,18 @@ class _Session:
         entry = self.derived.get(_whole_key(t))
         if entry is None or entry[0].expired() or entry[1] != t._version:
             return None
-        base_ref, weight, bias, factor_ref = entry[2:]
+        base_ref, weight, bias, factor_ref = entry[2:6]
         base, factor = base_ref(), factor_ref and factor_ref()
         if base is None or (factor_ref is not None and factor is None):
             return None
-        derived = Derived(base, weight, bias, t.shape, factor)  # (as this saver views it)
+        shared = entry[6]()  # one Derived for the savers of one view: rebuilt once
+        if (shared is not None and shared.shape == t.shape and shared.base is base
+                and shared.factor is factor):
+            derived = shared
+        else:
+            derived = Derived(base, weight, bias, t.shape, factor)  # (as this saver views it)
+            entry[6] = weakref.ref(derived)
+        derived.readers += 1
         ap = self.allocator()
         if base.slot is None and ((ap is not None and factor is None)
                                   or (derived.bits or 0) < bits):

@@ -232,12 +232,14 @@ class Derived:
     unbiased in each, independent between the two factors, and linear in every backward that
     reads it). Its bytes are the base's (and factor's), counted where they were packed."""
 
-    __slots__ = ("base", "bias", "factor", "shape", "weight")
+    __slots__ = ("__weakref__", "base", "bias", "factor", "keep", "readers", "shape", "weight")
 
     def __init__(self, base: Saved, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  shape: torch.Size | None = None, factor: Saved | None = None) -> None:
         self.base, self.weight, self.bias, self.shape = base, weight, bias, shape
         self.factor = factor
+        self.readers = 0  # savers handed this value, less those that have read it
+        self.keep: torch.Tensor | None = None  # the rebuilt value, for the next reader
 
     @property
     def bits(self) -> int | None:
@@ -254,6 +256,14 @@ class Derived:
         return self.weight.detach().float().square().mean()
 
     def get(self) -> torch.Tensor:
+        """The rebuilt value; a small one (under ``KEEP_NUMEL`` elements) kept for the next of
+        several readers (the q, k and v projections reading one norm's output)."""
+        out = self.keep if self.keep is not None else self._rebuilt()
+        self.readers -= 1
+        self.keep = out if self.readers > 0 and out.numel() < KEEP_NUMEL else None
+        return out
+
+    def _rebuilt(self) -> torch.Tensor:
         # (the base, the weight and the bias share the output's dtype: the norm's rule
         # shares only then)
         out = self.base.get()
