@@ -230,35 +230,41 @@ def _pack_columns(x_at, total, width, like, magnitude, inf_key, codes_at, meta_a
                  meta, magnitude, inf_key, seed, base0, stochastic, zero_code)
 
 
-@_jit
-def _unpack_rows(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, mask, per,
-                 bits):  # pragma: no cover - jitted
-    """Rows ``[r0, r1)`` of features ``f0`` to ``f0 + nf``, each feature with its own ``lo``
-    and step."""
-    t = y.dtype.type
-    nbytes = nf // per
-    for r in range(r0, r1):
-        at = _U64((r * width + f0) // per)
-        out = _U64(r * width + f0)
-        for k in range(nbytes):
-            byte = codes[at + _U64(k)]
-            for j in range(per):
-                i = k * per + j
-                y[out + _U64(i)] = _value((byte >> (bits * j)) & mask, lo[i], scale[i],
-                                          zero_code, t)
+def _unpack_kernel(bits: int):
+    """The jitted function unpacking rows of some features at ``bits`` (a constant in it)."""
+    per = 8 // bits
+    mask = (1 << bits) - 1
+
+    @_jit
+    def rows_at(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code):  # pragma: no cover
+        """Rows ``[r0, r1)`` of features ``f0`` to ``f0 + nf``, each feature with its own
+        ``lo`` and step."""
+        t = y.dtype.type
+        for r in range(r0, r1):
+            at = _U64((r * width + f0) // per)
+            out = _U64(r * width + f0)
+            for i in range(nf):
+                byte = codes[at + _U64(i // per)]
+                q = (byte >> np.uint8((i % per) * bits)) & np.uint8(mask)
+                y[out + _U64(i)] = _value(q, lo[i], scale[i], zero_code, t)
+
+    return rows_at
+
+
+_U1, _U2, _U4, _U8 = (_unpack_kernel(b) for b in layout.SUPPORTED_BITS)
 
 
 @numba.njit(inline="always")
 def _unpack_rows_at(bits, codes, y, lo, scale, r0, r1, width, f0, nf,
                     zero_code):  # pragma: no cover - jitted
     if bits == 1:
-        _unpack_rows(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, 1, 8, 1)
+        _U1(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code)
     elif bits == 2:
-        _unpack_rows(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, 3, 4, 2)
+        _U2(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code)
     elif bits == 4:
-        _unpack_rows(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, 15, 2, 4)
+        _U4(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code)
     else:
-        _unpack_rows(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, 255, 1, 8)
+        _U8(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
