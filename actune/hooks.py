@@ -488,8 +488,8 @@ class _Session:
     def _quantize(self, t: torch.Tensor, bits: int, zero_code: bool = False,
                   by_feature: bool = False):
         """:func:`~actune.quant.quantize` at the level's group size, seeded by :meth:`_seeds`
-        (a fake tensor draws nothing: its values do not exist); ``by_feature``: in
-        feature-major order (:func:`~actune.quant.feature_order`)."""
+        (a fake tensor draws nothing: its values do not exist); ``by_feature``: each group one
+        feature's values (:mod:`actune.quant_columns`)."""
         return quantize_checked(t, bits, self.level.group_size,
                                 self._seeds() if type(t) is torch.Tensor else -1,
                                 zero_code=zero_code, by_feature=by_feature)
@@ -524,7 +524,7 @@ class _Session:
         ``share_as``, later savers of that tensor reuse this packed copy (``dirty``: the
         function marks it dirty, which bumps its version once more after forward). ``reads``:
         this op's backward reads the rounded values (not only its exact zeros). ``by_feature``:
-        in feature-major order (:func:`~actune.quant.feature_order`)."""
+        each group one feature's values (:mod:`actune.quant_columns`)."""
         if self.allocator() is not None:
             # a derivative at one bit keeps only its group's ends: 2 at least
             packed, slot = self._quantize_planned(t, zero_code,
@@ -547,8 +547,8 @@ class _Session:
     def pack_fixed(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = (),
                    by_feature: bool = False) -> Saved:
         """Pack ``t`` at ``bits`` whatever the allocator would choose (tensors whose bits the
-        level sets apart: attention's q and k, the loss's probabilities); ``by_feature``: in
-        feature-major order (:func:`~actune.quant.feature_order`)."""
+        level sets apart: attention's q and k, the loss's probabilities); ``by_feature``: each
+        group one feature's values (:mod:`actune.quant_columns`)."""
         packed = self._quantize(t, bits, by_feature=by_feature)
         return self._hold(self._new(packed), kind, replaces)
 

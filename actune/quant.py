@@ -10,7 +10,6 @@ calls them runs under ``FakeTensorMode`` and passes ``torch.library.opcheck``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import mmap
@@ -289,12 +288,12 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, seed: int,
     """:func:`quantize` for a caller that has checked its arguments (the saved-tensor hooks,
     whose level checked its widths): ``seed`` < 0 draws one. ``by_feature``: pack a
     features-last tensor by feature (a group holds one feature's values; on the CPU the
-    column layout, elsewhere :func:`feature_order`'s)."""
+    column layout, elsewhere a feature-major copy: :mod:`actune.quant_columns`)."""
     if by_feature:
-        order = feature_order(x)
+        order = _columns.feature_order(x)
         if order is not None:
-            return _quantize_by_feature(x, order, bits, group_size, seed, stochastic,
-                                        zero_code)
+            return _columns.quantize_by_feature(x, order, bits, group_size, seed, stochastic,
+                                                zero_code)
     if type(x) is torch.Tensor and x.is_contiguous() and not compiling():
         # the common case, with no flat view to make
         codes, meta = _pack_impl(x.detach(), bits, group_size, seed, stochastic, zero_code)
@@ -313,82 +312,6 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, seed: int,
     return PackedTensor(codes, meta, bits, group_size, x.shape, x.dtype, stride, zero_code)
 
 
-def feature_order(x: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(samples, tokens, features)`` of a contiguous features-last tensor of two dims or
-    more, read in feature-major order: within each sample (2-D: the whole tensor) its last dim
-    before the others. A group then runs along the tokens, one feature each: a feature's
-    values share its range, as a convolution's NCHW input does by its layout. None where there
-    is no such order (fewer than two features or tokens, not contiguous)."""
-    return _order_of(x.shape) if x.dim() >= 2 and x.is_contiguous() else None
-
-
-def _order_of(shape: torch.Size) -> tuple[int, int, int] | None:
-    features = shape[-1]
-    samples = shape[0] if len(shape) > 2 else 1
-    tokens = math.prod(shape) // max(samples * features, 1)
-    if features < 2 or tokens < 2:
-        return None
-    return samples, tokens, features
-
-
-@functools.cache
-def _column_kernels():
-    from actune_kernels import cpu_columns
-
-    return cpu_columns
-
-
-def _in_columns(x: torch.Tensor) -> bool:
-    """Is ``x`` packed in the column layout: a real CPU tensor, outside traced code, whose
-    features (a multiple of 8) the kernels take a byte of codes at a time?"""
-    return (x.is_cpu and x.shape[-1] % 8 == 0 and not compiling()
-            and (type(x) is torch.Tensor or _shapes_only(x)))
-
-
-def _quantize_by_feature(x: torch.Tensor, order: tuple[int, int, int], bits: int,
-                         group_size: int, seed: int, stochastic: bool,
-                         zero_code: bool) -> PackedTensor:
-    """Pack ``x`` by feature: on the CPU in the column layout (groups of ``group_size`` rows
-    by one feature, no copy; ``actune_kernels.cpu_columns``), elsewhere from a feature-major
-    copy (groups along each sample's tokens, one feature each)."""
-    if not _in_columns(x):
-        samples, tokens, features = order
-        copy = x.detach().reshape(samples, tokens, features).transpose(1, 2).contiguous()
-        return quantize_checked(copy.transpose(1, 2).view(x.shape), bits, group_size, seed,
-                                stochastic, zero_code)
-    width = x.shape[-1]
-    total = x.numel() // width
-    rows = min(group_size, total)
-    kernels = _column_kernels()
-    codes = x.new_empty((kernels.column_codes_nbytes(total, width, rows, bits),),
-                        dtype=torch.uint8)
-    meta = x.new_empty((kernels.column_groups(total, width, rows), 2), dtype=torch.int16)
-    if type(x) is torch.Tensor:
-        src = x.detach() if x.dtype in _KERNEL_DTYPES else x.detach().float()
-        kernels.pack_columns_at(src.data_ptr(), total, width, _NUMPY_DTYPES[src.dtype],
-                                codes.data_ptr(), meta.data_ptr(), bits, rows,
-                                _draw_seed() if seed < 0 else seed, stochastic, zero_code)
-    return PackedTensor(codes, meta, bits, rows, x.shape, x.dtype, tuple(x.stride()),
-                        zero_code, True)
-
-
-def _dequantize_by_feature(p: PackedTensor) -> torch.Tensor:
-    """:func:`dequantize` of a value in the column layout: row-major."""
-    codes = p.codes
-    if _shapes_only(codes):
-        return codes.new_empty(p.shape, dtype=p.dtype)
-    if not codes.is_cpu:  # (moved off the CPU after packing)
-        host = dataclasses.replace(p, codes=codes.cpu(), meta=p.meta.cpu())
-        return _dequantize_by_feature(host).to(codes.device)
-    work = p.dtype if p.dtype in _KERNEL_DTYPES else torch.float32
-    out = _empty_cpu(p.numel(), work)
-    width = p.shape[-1]
-    _column_kernels().unpack_columns_at(
-        codes.contiguous().data_ptr(), p.meta.contiguous().data_ptr(), p.bits, p.group_size,
-        out.data_ptr(), p.numel() // width, width, _NUMPY_DTYPES[work], p.zero_code)
-    return out.view(p.shape) if work == p.dtype else out.view(p.shape).to(p.dtype)
-
-
 def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``x``'s elements as a 1-D tensor in memory order (a view when ``x`` is dense in any
     layout, else a row-major copy) and the strides :func:`dequantize` restores."""
@@ -404,7 +327,7 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
     """The tensor ``p`` was made from, up to quantization error: same shape, dtype, device and
     memory layout (strides)."""
     if p.by_feature:
-        return _dequantize_by_feature(p)
+        return _columns.dequantize_by_feature(p)
     codes = p.codes
     if type(codes) is torch.Tensor and not compiling():  # the common case
         dtype = p.dtype
@@ -596,3 +519,7 @@ def unpack_mask(p: PackedMask) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=p.bits8.device)
     bits = ((p.bits8.unsqueeze(1) >> shifts) & 1).view(-1)[:n]
     return bits.view(p.shape).bool()
+
+
+# (after the names it builds on: it imports them from this module)
+from actune import quant_columns as _columns  # noqa: E402

@@ -18,7 +18,7 @@ and otherwise knows nothing of ops:
   docs and in :func:`describe`).
 * ``features_last``: what the op saves holds features in its last dim (a linear layer's
   input, a layer norm's): packed one feature at a time, its groups running along the tokens
-  (see :func:`actune.quant.feature_order`).
+  (see :func:`actune.quant_columns.feature_order`).
 
 An op with no rule keeps what it saves exact; :class:`actune.CompressionStats` names it, with
 its bytes, so a user sees where the memory is.

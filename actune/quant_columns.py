@@ -1,0 +1,106 @@
+"""Packing by feature: each group holds one feature's values of a features-last tensor.
+
+On the CPU, for tensors whose features are a multiple of 8, the column layout
+(:mod:`actune_kernels.cpu_columns`): blocks of ``group_size`` rows, each feature of a block one
+group, codes in memory order; no copy is made on either side and the dequantized tensor is
+row-major. Elsewhere (CUDA, traced code, other widths) the tensor is packed from a copy laid
+out features first (feature-major order, :func:`feature_order`) and dequantized in that
+layout. The entry point is :func:`actune.quant.quantize_checked` with ``by_feature=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from actune.quant import (
+    _KERNEL_DTYPES,
+    _NUMPY_DTYPES,
+    PackedTensor,
+    _draw_seed,
+    _empty_cpu,
+    _shapes_only,
+    compiling,
+    quantize_checked,
+)
+
+__all__ = ["dequantize_by_feature", "feature_order", "quantize_by_feature"]
+
+
+def feature_order(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(samples, tokens, features)`` of a contiguous features-last tensor of two dims or
+    more, read in feature-major order: within each sample (2-D: the whole tensor) its last dim
+    before the others. A group then runs along the tokens, one feature each: a feature's
+    values share its range, as a convolution's NCHW input does by its layout. None where there
+    is no such order (fewer than two features or tokens, not contiguous)."""
+    return _order_of(x.shape) if x.dim() >= 2 and x.is_contiguous() else None
+
+
+def _order_of(shape: torch.Size) -> tuple[int, int, int] | None:
+    features = shape[-1]
+    samples = shape[0] if len(shape) > 2 else 1
+    tokens = math.prod(shape) // max(samples * features, 1)
+    if features < 2 or tokens < 2:
+        return None
+    return samples, tokens, features
+
+
+@functools.cache
+def _column_kernels():
+    from actune_kernels import cpu_columns
+
+    return cpu_columns
+
+
+def _in_columns(x: torch.Tensor) -> bool:
+    """Is ``x`` packed in the column layout: a real CPU tensor, outside traced code, whose
+    features (a multiple of 8) the kernels take a byte of codes at a time?"""
+    return (x.is_cpu and x.shape[-1] % 8 == 0 and not compiling()
+            and (type(x) is torch.Tensor or _shapes_only(x)))
+
+
+def quantize_by_feature(x: torch.Tensor, order: tuple[int, int, int], bits: int,
+                         group_size: int, seed: int, stochastic: bool,
+                         zero_code: bool) -> PackedTensor:
+    """Pack ``x`` by feature: on the CPU in the column layout (groups of ``group_size`` rows
+    by one feature, no copy; ``actune_kernels.cpu_columns``), elsewhere from a feature-major
+    copy (groups along each sample's tokens, one feature each)."""
+    if not _in_columns(x):
+        samples, tokens, features = order
+        copy = x.detach().reshape(samples, tokens, features).transpose(1, 2).contiguous()
+        return quantize_checked(copy.transpose(1, 2).view(x.shape), bits, group_size, seed,
+                                stochastic, zero_code)
+    width = x.shape[-1]
+    total = x.numel() // width
+    rows = min(group_size, total)
+    kernels = _column_kernels()
+    codes = x.new_empty((kernels.column_codes_nbytes(total, width, rows, bits),),
+                        dtype=torch.uint8)
+    meta = x.new_empty((kernels.column_groups(total, width, rows), 2), dtype=torch.int16)
+    if type(x) is torch.Tensor:
+        src = x.detach() if x.dtype in _KERNEL_DTYPES else x.detach().float()
+        kernels.pack_columns_at(src.data_ptr(), total, width, _NUMPY_DTYPES[src.dtype],
+                                codes.data_ptr(), meta.data_ptr(), bits, rows,
+                                _draw_seed() if seed < 0 else seed, stochastic, zero_code)
+    return PackedTensor(codes, meta, bits, rows, x.shape, x.dtype, tuple(x.stride()),
+                        zero_code, True)
+
+
+def dequantize_by_feature(p: PackedTensor) -> torch.Tensor:
+    """:func:`actune.quant.dequantize` of a value in the column layout: row-major."""
+    codes = p.codes
+    if _shapes_only(codes):
+        return codes.new_empty(p.shape, dtype=p.dtype)
+    if not codes.is_cpu:  # (moved off the CPU after packing)
+        host = dataclasses.replace(p, codes=codes.cpu(), meta=p.meta.cpu())
+        return dequantize_by_feature(host).to(codes.device)
+    work = p.dtype if p.dtype in _KERNEL_DTYPES else torch.float32
+    out = _empty_cpu(p.numel(), work)
+    width = p.shape[-1]
+    _column_kernels().unpack_columns_at(
+        codes.contiguous().data_ptr(), p.meta.contiguous().data_ptr(), p.bits, p.group_size,
+        out.data_ptr(), p.numel() // width, width, _NUMPY_DTYPES[work], p.zero_code)
+    return out.view(p.shape) if work == p.dtype else out.view(p.shape).to(p.dtype)
