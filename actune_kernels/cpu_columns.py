@@ -9,7 +9,9 @@ past ``R`` in the last block are padding (code 0). Every loop runs along the fea
 contiguous in memory: the per-feature minimum and maximum are vector min/max down the rows,
 and codes and values take their feature's ``lo`` and step from small arrays.
 
-Each parallel task takes one row block by ``_FEATURES`` features.
+Each parallel task takes one row block by ``_FEATURES`` features. (No serial variant, as
+:mod:`.cpu` has for small tensors: the tensors packed by feature are layers' inputs, large,
+and a second compilation of these kernels would double their first-use cost.)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 from numba import prange
 
 from . import layout
-from .cpu import _LIKE, _pointer, _serial, _value
+from .cpu import _LIKE, _pointer, _value
 from .cpu_groups import _BITS, _meta
 from .cpu_scalar import SCALAR, order_key, random24_u32
 from .scalar import INV_2_24, MASK32
@@ -292,12 +294,6 @@ def _unpack_columns(codes_at, meta_at, bits, rows, zero_code, out_at, total, wid
                         width, f0, nf, zero_code)
 
 
-_pack_columns_serial = _serial(_pack_columns)
-_unpack_columns_serial = _serial(_unpack_columns)
-#: Under this many elements the calling thread works alone (as :data:`.cpu.SERIAL_PACK`).
-SERIAL = 8192
-
-
 def pack_columns_at(x_at: int, total: int, width: int, dtype: np.dtype, codes_at: int,
                     meta_at: int, bits: int, rows: int, seed: int, stochastic: bool = True,
                     zero_code: bool = False, base: int = 0) -> None:
@@ -305,15 +301,13 @@ def pack_columns_at(x_at: int, total: int, width: int, dtype: np.dtype, codes_at
     multiple of 8) in groups of ``rows`` rows by one feature: the codes (memory order,
     :func:`column_codes_nbytes` bytes) at ``codes_at``, the metadata (``[blocks * width, 2]``
     uint16, block-major) at ``meta_at``; ``base``: the stream index of the first element.
-    The caller vouches for the buffers, as for
-    :func:`actune_kernels.cpu.pack_at`."""
+    The caller vouches for the buffers, as for :func:`actune_kernels.cpu.pack_at`."""
     if width % 8:
         raise ValueError(f"the column layout needs a multiple of 8 features, got {width}")
     if total * width:
         _, magnitude, inf_key = _BITS[dtype]
-        kernel = _pack_columns if total * width >= SERIAL else _pack_columns_serial
-        kernel(x_at, total, width, _LIKE[dtype], magnitude, inf_key, codes_at, meta_at, bits,
-               rows, seed, base, bool(stochastic), bool(zero_code))
+        _pack_columns(x_at, total, width, _LIKE[dtype], magnitude, inf_key, codes_at,
+                      meta_at, bits, rows, seed, base, bool(stochastic), bool(zero_code))
 
 
 def unpack_columns_at(codes_at: int, meta_at: int, bits: int, rows: int, out_at: int,
@@ -321,6 +315,5 @@ def unpack_columns_at(codes_at: int, meta_at: int, bits: int, rows: int, out_at:
     """The inverse of :func:`pack_columns_at`: the row-major ``[total, width]`` values at
     ``out_at``."""
     if total * width:
-        kernel = _unpack_columns if total * width >= SERIAL else _unpack_columns_serial
-        kernel(codes_at, meta_at, bits, rows, bool(zero_code), out_at, total, width,
-               _LIKE[dtype])
+        _unpack_columns(codes_at, meta_at, bits, rows, bool(zero_code), out_at, total,
+                        width, _LIKE[dtype])
