@@ -244,7 +244,7 @@ def test_packed_buffers_that_are_not_contiguous_are_read_as_their_values():
 
 
 @pytest.mark.parametrize("shape,dtype,bits", [((4, 33, 48), torch.float32, 2),
-                                              ((100, 24), torch.float64, 4),
+                                              ((100, 24), torch.float32, 4),
                                               ((2, 3, 5, 8), torch.bfloat16, 8),
                                               ((3, 7, 16), torch.float32, 1)])
 def test_by_feature_on_the_cpu_is_the_column_layout_with_no_copy(shape, dtype, bits):
