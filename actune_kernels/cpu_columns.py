@@ -36,6 +36,14 @@ _FEATURES = 64
 _jit = numba.njit(cache=True, nogil=True)
 
 
+def _cached(fn, name: str):
+    """``fn`` compiled under its own name: Numba's on-disk cache names a function's files by
+    its qualified name and line, the same for each width's closure, and two processes adding
+    entries to one index at once can number them alike and load another width's code."""
+    fn.__name__ = fn.__qualname__ = name
+    return _jit(fn)
+
+
 def column_groups(rows_total: int, features: int, rows: int) -> int:
     """Groups of an ``[rows_total, features]`` tensor in blocks of ``rows`` rows."""
     return -(-rows_total // rows) * features
@@ -146,7 +154,6 @@ def _columns_kernel(bits: int):
     step = 8 - bits  # code j of a scratch word sits at bit 8j; it goes to bit bits*j
     word = {1: np.uint64, 2: np.uint32, 4: np.uint16, 8: np.uint8}[bits]
 
-    @_jit
     def task(x, words, total, width, rows, b, f0, f1, codes, meta, magnitude, inf_key, seed,
              base0, stochastic, zero_code):  # pragma: no cover - jitted
         nf = f1 - f0
@@ -192,7 +199,7 @@ def _columns_kernel(bits: int):
                     w = wt(w | wt(w >> wt(4 * step)))
                 codes[at + _U64(k)] = np.uint8(w & wt(0xFF))
 
-    return task
+    return _cached(task, f"pack_columns_{bits}")
 
 
 _T1, _T2, _T4, _T8 = (_columns_kernel(b) for b in layout.SUPPORTED_BITS)
@@ -237,7 +244,6 @@ def _unpack_kernel(bits: int):
     per = 8 // bits
     mask = (1 << bits) - 1
 
-    @_jit
     def rows_at(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code):  # pragma: no cover
         """Rows ``[r0, r1)`` of features ``f0`` to ``f0 + nf``, each feature with its own
         ``lo`` and step."""
@@ -250,7 +256,7 @@ def _unpack_kernel(bits: int):
                 q = (byte >> np.uint8((i % per) * bits)) & np.uint8(mask)
                 y[out + _U64(i)] = _value(q, lo[i], scale[i], zero_code, t)
 
-    return rows_at
+    return _cached(rows_at, f"unpack_columns_{bits}")
 
 
 _U1, _U2, _U4, _U8 = (_unpack_kernel(b) for b in layout.SUPPORTED_BITS)

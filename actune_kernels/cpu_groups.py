@@ -220,7 +220,6 @@ def _group_kernel(bits: int):
         if per != 1:
             join(wide, codes, at, gbytes)
 
-    @_jit
     def run(x, words, first, last, start, group_size, codes, at, meta, magnitude, inf_key,
             seed, idx0, stochastic, zero_code):  # pragma: no cover - jitted
         """Groups ``first`` to ``last - 1``, consecutive in ``x`` from element ``start`` (its
@@ -235,7 +234,10 @@ def _group_kernel(bits: int):
                   first + k, scratch, wide, magnitude, inf_key, seed, idx0 + offset,
                   stochastic, zero_code)
 
-    return run
+    # (its own name per width: Numba's cache names files by qualified name and line, and two
+    # processes adding one index's entries at once could number them alike)
+    run.__name__ = run.__qualname__ = f"pack_groups_{bits}"
+    return _jit(run)
 
 
 _G1, _G2, _G4, _G8 = (_group_kernel(b) for b in layout.SUPPORTED_BITS)
