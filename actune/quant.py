@@ -289,11 +289,8 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, seed: int,
     whose level checked its widths): ``seed`` < 0 draws one. ``by_feature``: pack a
     features-last tensor by feature (a group holds one feature's values; on the CPU the
     column layout, elsewhere a feature-major copy: :mod:`actune.quant_columns`)."""
-    if by_feature:
-        order = _columns.feature_order(x)
-        if order is not None:
-            return _columns.quantize_by_feature(x, order, bits, group_size, seed, stochastic,
-                                                zero_code)
+    if by_feature and _columns.feature_order(x) is not None:
+        return _columns.quantize_by_feature(x, bits, group_size, seed, stochastic, zero_code)
     if type(x) is torch.Tensor and x.is_contiguous() and not compiling():
         # the common case, with no flat view to make
         codes, meta = _pack_impl(x.detach(), bits, group_size, seed, stochastic, zero_code)

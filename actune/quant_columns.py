@@ -62,17 +62,17 @@ def _in_columns(x: torch.Tensor) -> bool:
             and (type(x) is torch.Tensor or _shapes_only(x)))
 
 
-def quantize_by_feature(x: torch.Tensor, order: tuple[int, int, int], bits: int,
-                         group_size: int, seed: int, stochastic: bool,
-                         zero_code: bool) -> PackedTensor:
-    """Pack ``x`` by feature: on the CPU in the column layout (groups of ``group_size`` rows
-    by one feature, no copy; ``actune_kernels.cpu_columns``), elsewhere from a feature-major
-    copy (groups along each sample's tokens, one feature each)."""
+def quantize_by_feature(x: torch.Tensor, bits: int, group_size: int, seed: int,
+                        stochastic: bool, zero_code: bool) -> PackedTensor:
+    """Pack ``x`` (which has a :func:`feature_order`) by feature: on the CPU in the column
+    layout (groups of ``group_size`` rows by one feature, no copy;
+    ``actune_kernels.cpu_columns``), elsewhere from a feature-major copy (groups along each
+    sample's tokens, one feature each)."""
     if not _in_columns(x):
-        samples, tokens, features = order
-        copy = x.detach().reshape(samples, tokens, features).transpose(1, 2).contiguous()
-        return quantize_checked(copy.transpose(1, 2).view(x.shape), bits, group_size, seed,
-                                stochastic, zero_code)
+        from actune.saved import feature_major  # (saved builds on actune.quant)
+
+        return quantize_checked(feature_major(x.detach()), bits, group_size, seed, stochastic,
+                                zero_code)
     width = x.shape[-1]
     total = x.numel() // width
     rows = min(group_size, total)

@@ -22,7 +22,7 @@ from numba import prange
 
 from . import layout
 from .cpu import _LIKE, _pointer, _value
-from .cpu_groups import _BITS, _meta
+from .cpu_groups import _BITS, meta_of_keys
 from .cpu_scalar import SCALAR, order_key, random24_u32
 from .scalar import INV_2_24, MASK32
 
@@ -81,16 +81,9 @@ def _ranges(x, words, r0, r1, width, f0, nf, magnitude, inf_key, zero_code, lo_t
     t = x.dtype.type
     for j in range(nf):
         bad = hi[j] >= inf or lo[j] < -inf
-        a = order_key(lo_pos[j] if zero_code else lo[j], magnitude)
-        b = order_key(hi[j], magnitude)
-        if words.itemsize == 4:
-            mn = float(np.int32(a).view(np.float32))
-            mx = float(np.int32(b).view(np.float32))
-        else:
-            mn = float(np.int64(a).view(np.float64))
-            mx = float(np.int64(b).view(np.float64))
-        lo_word, scale_word, lo64, scale64 = _meta(np.nan if bad else mn, mx,
-                                                   float(levels - zero_code), zero_code)
+        lo_word, scale_word, lo64, scale64 = meta_of_keys(
+            lo_pos[j] if zero_code else lo[j], hi[j], bad, magnitude, words.itemsize, levels,
+            zero_code)
         meta[j, 0] = lo_word
         meta[j, 1] = scale_word
         ok = lo_word != layout.NAN16

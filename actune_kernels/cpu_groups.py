@@ -156,6 +156,21 @@ def _meta(mn, mx, levels, zero_code):  # pragma: no cover - jitted
     return _group_meta(mn, mx, levels, zero_code)
 
 
+@_inline
+def meta_of_keys(klo, khi, bad, magnitude, itemsize, levels, zero_code):  # pragma: no cover
+    """A group's metadata (:func:`_meta`) from the order keys of its min and max (float32's
+    when ``itemsize`` is 4, else float64's) and whether it holds NaN or inf."""
+    a = order_key(klo, magnitude)
+    b = order_key(khi, magnitude)
+    if itemsize == 4:
+        mn = float(np.int32(a).view(np.float32))
+        mx = float(np.int32(b).view(np.float32))
+    else:
+        mn = float(np.int64(a).view(np.float64))
+        mx = float(np.int64(b).view(np.float64))
+    return _meta(np.nan if bad else mn, mx, float(levels - zero_code), zero_code)
+
+
 def _group_kernel(bits: int):
     """The jitted function that packs a run of groups at ``bits`` (a constant in it)."""
     per = 8 // bits
@@ -187,16 +202,8 @@ def _group_kernel(bits: int):
         count = min(group_size, x.size - start)
         full = count == group_size
         klo, khi, bad = _min_max(words, start, count, magnitude, inf_key, zero_code)
-        a = order_key(klo, magnitude)
-        b = order_key(khi, magnitude)
-        if words.itemsize == 4:
-            mn = float(np.int32(a).view(np.float32))
-            mx = float(np.int32(b).view(np.float32))
-        else:
-            mn = float(np.int64(a).view(np.float64))
-            mx = float(np.int64(b).view(np.float64))
-        lo_word, scale_word, lo64, scale64 = _meta(np.nan if bad else mn, mx,
-                                                   float(levels - zero_code), zero_code)
+        lo_word, scale_word, lo64, scale64 = meta_of_keys(klo, khi, bad, magnitude,
+                                                          words.itemsize, levels, zero_code)
         meta[g, 0] = lo_word
         meta[g, 1] = scale_word
         if lo_word == layout.NAN16:
