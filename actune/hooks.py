@@ -293,6 +293,9 @@ class _Session:
         output from its normalised input, whose rounding then serves both backwards), or as
         ``base * factor`` (a gated product's output from its two packed operands)."""
         if t.is_contiguous():  # (held weakly, as the cache's values are: see _remember)
+            for saved in (base, factor):  # (its maker's backward reads it: one reader)
+                if saved is not None:
+                    saved.readers = max(saved.readers, 1)
             key = _whole_key(t)
             drop = _dropper(self.derived, key, 2)
             self.derived[key] = [StorageWeakRef(t.untyped_storage()), t._version,
@@ -319,12 +322,12 @@ class _Session:
             derived = shared
         else:
             derived = Derived(base, weight, bias, t.shape, factor)  # (as this saver views it)
-            entry[6] = weakref.ref(derived)
-        derived.readers += 1
         ap = self.allocator()
         if base.slot is None and ((ap is not None and factor is None)
                                   or (derived.bits or 0) < bits):
             return None  # (a product's operands keep fixed bits, under an allocator too)
+        entry[6] = weakref.ref(derived)
+        derived.add_reader()
         if base.slot is not None and ap is not None:
             if new:
                 ap.share(base.slot)  # the slot stands for two saved tensors in the budget

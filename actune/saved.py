@@ -165,6 +165,19 @@ class Saved:
             self.keep = None
         return out
 
+    def skip(self) -> None:
+        """A reader that will not read after all (it took a value rebuilt from this one)."""
+        self.readers -= 1
+        if self.readers <= 0:
+            self.keep = None
+
+    @property
+    def held(self) -> bool:
+        """Is the dequantized value alive (kept for a later reader, or held by an earlier
+        one)? Then :meth:`fresh` would copy it."""
+        return self.keep is not None or (self.unpacked is not None
+                                         and self.unpacked() is not None)
+
     def _dequantized(self) -> torch.Tensor:
         """The packed value dequantized (not alive in another node)."""
         if self.host and self.ready is None:  # simulated offload (estimates)
@@ -255,10 +268,25 @@ class Derived:
             return None
         return self.weight.detach().float().square().mean()
 
+    def add_reader(self) -> None:
+        """One more saver reads this value: each read rebuilds it or takes the kept copy, and
+        counts as a read of the packed values (which may keep theirs dequantized for their
+        maker's backward, next: a norm's, a gated product's)."""
+        self.readers += 1
+        for saved in (self.base, self.factor):
+            if saved is not None:
+                saved.readers += 1
+
     def get(self) -> torch.Tensor:
         """The rebuilt value; a small one (under ``KEEP_NUMEL`` elements) kept for the next of
         several readers (the q, k and v projections reading one norm's output)."""
-        out = self.keep if self.keep is not None else self._rebuilt()
+        if self.keep is not None:
+            out = self.keep
+            for saved in (self.base, self.factor):
+                if saved is not None:
+                    saved.skip()
+        else:
+            out = self._rebuilt()
         self.readers -= 1
         self.keep = out if self.readers > 0 and out.numel() < KEEP_NUMEL else None
         return out

@@ -151,6 +151,36 @@ def test_a_gated_product_keeps_two_copies_and_the_down_projection_rebuilds_from_
         assert relative_error(got[0], want[0]) < 0.03
 
 
+def test_backward_dequantizes_each_packed_value_once(monkeypatch):
+    """The down projection rebuilds the product from the two operands, and the gated
+    product's backward, next, reads the same dequantized operands (not unpacked again); a
+    norm's ``x_hat`` likewise serves the matmul rebuilding its output, then the norm."""
+    from actune import saved as saved_module
+
+    calls = []
+    real = saved_module.dequantize
+    monkeypatch.setattr(saved_module, "dequantize", lambda p: calls.append(p) or real(p))
+    x = torch.randn(8, 16, 48, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    norm_w = nn.Parameter(torch.rand(48) + 0.5)
+    up, gate, down = (nn.Parameter(torch.randn(*shape, generator=torch.Generator()
+                                                .manual_seed(i)) / 7)
+                      for i, shape in enumerate([(64, 48), (64, 48), (48, 64)]))
+
+    def block(x):
+        h = nn.functional.rms_norm(x * 1.0, (48,), norm_w)
+        return nn.functional.linear(nn.functional.silu(nn.functional.linear(h, gate))
+                                    * nn.functional.linear(h, up), down)
+
+    stats = []
+    with actune.compressed(level(2, sensitive_bits=4), stats=stats.append):
+        y = block(x)
+    # x_hat, the two operands (by feature), the silu derivative; matmuls keep nothing new
+    assert stats[0].packed == 4
+    calls.clear()
+    y.square().sum().backward()
+    assert len({id(p) for p in calls}) == len(calls) == 4  # each once
+
+
 def test_compressed_runs_an_inline_rms_norm_as_one_op_and_removes_its_module_hooks():
     model = tiny_llama()
     norm = model.model.layers[0].input_layernorm

@@ -131,7 +131,9 @@ class GatedProduct(torch.autograd.Function):
 
 def _times(grad: torch.Tensor, saved) -> torch.Tensor:
     """``grad`` times a packed operand, written over its dequantized copy where the dtypes
-    agree (one temporary less)."""
+    agree and nothing else holds that copy (one temporary less)."""
+    if saved.held:  # (dequantized already, for the product's other reader)
+        return grad * saved.get()
     value = saved.fresh()
     return value.mul_(grad) if value.dtype == grad.dtype and value.shape == grad.shape \
         else grad * value

@@ -43,6 +43,35 @@ def cross_entropy(s, func, args, kwargs, level):
                                     level.sensitive_width, s)
 
 
+#: Below this, a target's probability has lost precision (float32's smallest normal is
+#: 2**-126): its row's loss comes from the log-probabilities instead.
+_TINY = 2.0 ** -100
+
+
+def _probabilities(x: torch.Tensor, target: torch.Tensor,
+                   smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax of float ``x`` (rows of logits) and each row's loss against ``target``
+    (``[rows, 1]``): one softmax pass, where ``log_softmax`` then ``exp`` took three. The loss
+    is ``-log p_target``, and ``-(mean log p)`` under label smoothing (``mean x - lse``, with
+    ``lse = x_target - log p_target``); rows whose target probability underflows take the
+    log-softmax's exact value."""
+    p = torch.softmax(x, 1)
+    picked = p.gather(1, target).squeeze(1)
+    log_picked = picked.log()
+    loss = log_picked.neg()
+    if smoothing:
+        lse = x.gather(1, target).squeeze(1).sub_(log_picked)
+        loss = loss.mul_(1 - smoothing).sub_(x.mean(1).sub_(lse).mul_(smoothing))
+    tiny = picked < _TINY
+    if tiny.any():  # (rare: a loss above about 69)
+        logp = torch.log_softmax(x[tiny], 1)
+        exact = logp.gather(1, target[tiny]).squeeze(1).neg_()
+        if smoothing:
+            exact = exact.mul_(1 - smoothing).sub_(logp.mean(1).mul_(smoothing))
+        loss[tiny] = exact
+    return p, loss
+
+
 class PackedCrossEntropy(torch.autograd.Function):
     """Cross entropy over ``(N, C)`` logits keeping the probabilities packed."""
 
@@ -58,12 +87,9 @@ class PackedCrossEntropy(torch.autograd.Function):
         rows = max(1, SLICE // max(classes, 1))
         packed = []
         for start in range(0, n, rows):
-            p = torch.log_softmax(x[start:start + rows].float(), 1)  # (one fused pass)
-            loss = p.gather(1, safe[start:start + rows, None]).squeeze(1).neg_()
-            if smoothing:
-                loss = loss.mul_(1 - smoothing).sub_(p.mean(1).mul_(smoothing))
-            losses[start:start + rows] = loss
-            p = p.exp_()
+            p, losses[start:start + rows] = _probabilities(x[start:start + rows].float(),
+                                                           safe[start:start + rows, None],
+                                                           smoothing)
             if x.dtype != torch.float32:
                 p = p.to(x.dtype)
             session.count(p)  # PyTorch keeps the log-probabilities, as large

@@ -50,6 +50,23 @@ def test_value_is_pytorchs_and_gradient_unbiased(case):
     assert shrinks_like_noise(two, exact[0], large=256) < 0.25  # unbiased: about 0.18
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"label_smoothing": 0.1}, {"reduction": "none"}])
+def test_loss_is_exact_where_a_targets_probability_underflows(kwargs):
+    """Logit gaps of 200 (probabilities under float32's range): the loss is PyTorch's
+    (the log-probabilities' value), finite, ignored rows included."""
+    x = logits() * 0
+    with torch.no_grad():
+        x[:, 5] = 200.0  # every other class's probability is exp(-200)
+        x[::3, 7] = -150.0
+    fn = loss(kwargs)
+    with torch.no_grad():
+        ref = fn(x)
+    with actune.compressed("L3"), torch.enable_grad():
+        got = fn(x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref)
+
+
 def test_log_softmax_then_nll_loss_is_unbiased():
     def fn(x):
         return F.nll_loss(F.log_softmax(x * 1.0, dim=-1), TARGET.clamp(min=0))
