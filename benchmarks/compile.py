@@ -8,7 +8,7 @@ with Dynamo's graph breaks and graphs under L3. Peaks twice: after ``zero_grad()
 (accumulation's later micro-batches; a compiled backward returns every weight gradient at
 its end, eager adds each as it is made). Ratios are within this run:
 
-    python benchmarks/compile.py [--rounds 5] [--threads 2]
+    python benchmarks/compile.py [--rounds 5] [--threads 2] [--fused-packs]
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ def main() -> None:
                         help="Inductor's layout_optimization = False (for every compiled "
                              "variant): no channels-last copies of convolutions' weights and "
                              "activations")
+    parser.add_argument("--fused-packs", action="store_true",
+                        help="pack with torch ops Inductor fuses (a GPU's form) instead of "
+                             "the Numba kernels as one op each (the CPU's default)")
     parser.add_argument("--models", default=None,
                         help="comma-separated words picking models by title (default: all)")
     args = parser.parse_args()
@@ -120,6 +123,9 @@ def main() -> None:
         inductor_config.cpp.max_horizontal_fusion_size = 1
     if args.no_layout_optimization:
         inductor_config.layout_optimization = False
+    if args.fused_packs:
+        from actune import quant_graph
+        quant_graph.USE_ON_CPU = False
     for title, make in chosen.items():
         steps, breaks = {}, {}
         for compiled in (False, True):

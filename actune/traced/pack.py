@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from actune import quant_graph as graph_ops
 from actune_kernels.scalar import MASK32, MUL1, MUL2
 
 __all__ = ["Packed", "group_statistic", "pack", "pack_range", "packed_bytes", "packed_origin",
@@ -31,7 +32,7 @@ class Packed(NamedTuple):
 
     codes: torch.Tensor
     low: torch.Tensor
-    step: torch.Tensor
+    step: torch.Tensor | None
 
 
 def _groups(x: torch.Tensor, group_size: int, by_feature: bool) -> torch.Tensor:
@@ -125,8 +126,19 @@ def _restore(values: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
     return values.reshape(-1)[: shape.numel()].reshape(shape).to(dtype)
 
 
-def pack(x: torch.Tensor, bits: int, group_size: int = 256, by_feature: bool = False) -> Packed:
-    """Round ``x`` stochastically to ``bits`` (1, 2, 4 or 8) per group; see :func:`unpack`."""
+def pack(x: torch.Tensor, bits: int, group_size: int = 256, by_feature: bool = False,
+         kernels: bool | None = None) -> Packed:
+    """Round ``x`` stochastically to ``bits`` (1, 2, 4 or 8) per group; see :func:`unpack`.
+    On the CPU (float32 and float64; by feature, features a multiple of 8) the Numba kernels
+    pack, as one opaque op (:mod:`actune.quant_graph`): ``step`` is then None and ``low``
+    holds the groups' metadata words. ``kernels``: False for the torch ops everywhere (True
+    where they cannot run raises)."""
+    if kernels is None:
+        kernels = graph_ops.USE_ON_CPU and graph_ops.supported(x, by_feature)
+    if kernels:
+        codes, meta = graph_ops.graph_pack(x.detach(), bits, group_size, by_feature,
+                                           random_key(x.device))
+        return Packed(codes, meta, None)
     g = _groups(x.detach(), group_size, by_feature)
     low = g.amin(1, keepdim=True)
     step = (g.amax(1, keepdim=True) - low) / (2**bits - 1)
@@ -139,6 +151,9 @@ def unpack(p: Packed | tuple, bits: int, shape: torch.Size, dtype: torch.dtype,
     """The values :func:`pack` kept (a :class:`Packed` or its three tensors), as a tensor of
     ``shape`` and ``dtype`` (``group_size`` and ``by_feature`` as packed)."""
     codes, low, step = p
+    if step is None:  # (the kernels' format)
+        return graph_ops.graph_unpack(codes, low, bits, group_size, by_feature, list(shape),
+                                      dtype)
     return _restore(_codes(codes, bits) * step + low, shape, dtype, by_feature)
 
 

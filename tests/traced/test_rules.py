@@ -152,19 +152,33 @@ def test_leaves_and_small_tensors_keep_the_op():
         assert type(F.gelu(x).grad_fn).__name__ == "GeluBackward0"  # a leaf
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch_ops", "numba_op"])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("by_feature", [False, True])
-def test_pack_round_trip_within_a_step_and_unbiased(bits, by_feature):
+def test_pack_round_trip_within_a_step_and_unbiased(bits, by_feature, kernels):
+    """Both forms of the compiled pack (torch ops Inductor fuses; the Numba kernels as one
+    op, the CPU's default): within a group's step of the input, and unbiased."""
     x = torch.randn(300, 40, generator=torch.Generator().manual_seed(0)) * 3
     torch.manual_seed(0)
-    p = pack(x, bits, 64, by_feature)
+    step = pack(x, bits, 64, by_feature, kernels=False).step.max()  # (the groups' steps)
+    p = pack(x, bits, 64, by_feature, kernels)
+    assert (p.step is None) == kernels
     assert p.codes.dtype == torch.uint8 and p.codes.numel() * 8 == p.low.numel() * 64 * bits
     y = unpack(p, bits, x.shape, x.dtype, 64, by_feature)
     assert y.shape == x.shape
-    assert (y - x).abs().max() <= p.step.max() * 1.0001
-    mean = torch.stack([unpack(pack(x, bits, 64, by_feature), bits, x.shape, x.dtype, 64,
-                               by_feature) for _ in range(64)]).mean(0)
+    assert (y - x).abs().max() <= step * 1.01  # (the kernels keep a step rounded up a little)
+    mean = torch.stack([unpack(pack(x, bits, 64, by_feature, kernels), bits, x.shape, x.dtype,
+                               64, by_feature) for _ in range(64)]).mean(0)
     assert (mean - x).abs().mean() < 0.25 * (y - x).abs().mean() + 1e-6
+
+
+def test_the_cpu_packs_through_the_kernels_where_they_run():
+    """float32 on the CPU: the Numba op (flat, and by feature with features a multiple of
+    8); by feature with 12 features, or bfloat16: the torch ops."""
+    x = torch.randn(64, 16)
+    assert pack(x, 2, 64).step is None and pack(x, 2, 64, True).step is None
+    assert pack(x[:, :12].contiguous(), 2, 64, True).step is not None
+    assert pack(x.bfloat16(), 2, 64).step is not None
 
 
 def test_pack_range_on_a_fixed_grid():
@@ -243,3 +257,17 @@ def test_attention_dropout_replays_its_mask_in_backward(monkeypatch):
     two = _grads(fn, (q, k, v), _level(2), draws=64)
     for e, d in zip(exact, two, strict=True):
         assert (d.mean(0) - e).norm() < 0.5 * (d[:4].mean(0) - e).norm()
+
+
+@pytest.mark.parametrize("by_feature", [False, True])
+def test_the_graph_ops_pass_opcheck(by_feature):
+    """The Numba ops a compiled graph calls: schema, fake shapes against real ones, and
+    tracing (``torch.library.opcheck``)."""
+    from actune import quant_graph
+
+    x = torch.randn(100, 24, dtype=torch.float64)
+    key = torch.tensor(7)
+    torch.library.opcheck(quant_graph.graph_pack, (x, 4, 64, by_feature, key))
+    codes, meta = quant_graph.graph_pack(x, 4, 64, by_feature, key)
+    torch.library.opcheck(quant_graph.graph_unpack,
+                          (codes, meta, 4, 64, by_feature, [100, 24], torch.float32))
