@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch._subclasses.fake_tensor import FakeTensor
 
 from actune.rules import register
 from actune.rules.activations import compressible
@@ -63,13 +64,18 @@ def _probabilities(x: torch.Tensor, target: torch.Tensor,
         lse = x.gather(1, target).squeeze(1).sub_(log_picked)
         loss = loss.mul_(1 - smoothing).sub_(x.mean(1).sub_(lse).mul_(smoothing))
     tiny = picked < _TINY
-    if tiny.any():  # (rare: a loss above about 69)
+    if _has_values(picked) and tiny.any():  # (rare: a loss above about 69)
         logp = torch.log_softmax(x[tiny], 1)
         exact = logp.gather(1, target[tiny]).squeeze(1).neg_()
         if smoothing:
             exact = exact.mul_(1 - smoothing).sub_(logp.mean(1).mul_(smoothing))
         loss[tiny] = exact
     return p, loss
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    """Not a fake or meta tensor (an estimate's step: shapes only, no branch on values)."""
+    return not isinstance(t, FakeTensor) and t.device.type != "meta"
 
 
 class PackedCrossEntropy(torch.autograd.Function):
