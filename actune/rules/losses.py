@@ -49,13 +49,20 @@ def cross_entropy(s, func, args, kwargs, level):
 _TINY = 2.0 ** -100
 
 
-def _probabilities(x: torch.Tensor, target: torch.Tensor,
-                   smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _probabilities(x: torch.Tensor, target: torch.Tensor, smoothing: float,
+                   one_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The softmax of float ``x`` (rows of logits) and each row's loss against ``target``
     (``[rows, 1]``): one softmax pass, where ``log_softmax`` then ``exp`` took three. The loss
     is ``-log p_target``, and ``-(mean log p)`` under label smoothing (``mean x - lse``, with
     ``lse = x_target - log p_target``); rows whose target probability underflows take the
-    log-softmax's exact value."""
+    log-softmax's exact value. Without ``one_pass`` (off the CPU, where checking for such
+    rows would wait for the device) the log-softmax and its ``exp``: no check needed."""
+    if not one_pass:
+        logp = torch.log_softmax(x, 1)
+        loss = logp.gather(1, target).squeeze(1).neg_()
+        if smoothing:
+            loss = loss.mul_(1 - smoothing).sub_(logp.mean(1).mul_(smoothing))
+        return logp.exp_(), loss
     p = torch.softmax(x, 1)
     picked = p.gather(1, target).squeeze(1)
     log_picked = picked.log()
@@ -74,8 +81,8 @@ def _probabilities(x: torch.Tensor, target: torch.Tensor,
 
 
 def _has_values(t: torch.Tensor) -> bool:
-    """Not a fake or meta tensor (an estimate's step: shapes only, no branch on values)."""
-    return not isinstance(t, FakeTensor) and t.device.type != "meta"
+    """Not a fake tensor (an estimate's step: shapes only, no branch on values)."""
+    return not isinstance(t, FakeTensor)
 
 
 class PackedCrossEntropy(torch.autograd.Function):
@@ -95,7 +102,7 @@ class PackedCrossEntropy(torch.autograd.Function):
         for start in range(0, n, rows):
             p, losses[start:start + rows] = _probabilities(x[start:start + rows].float(),
                                                            safe[start:start + rows, None],
-                                                           smoothing)
+                                                           smoothing, x.is_cpu)
             if x.dtype != torch.float32:
                 p = p.to(x.dtype)
             session.count(p)  # PyTorch keeps the log-probabilities, as large

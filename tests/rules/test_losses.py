@@ -67,6 +67,18 @@ def test_loss_is_exact_where_a_targets_probability_underflows(kwargs):
     torch.testing.assert_close(got, ref)
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_the_one_pass_form_matches_the_log_softmax_form(smoothing):
+    """The CPU's softmax pass and the log-softmax form (a GPU's: no check that would wait
+    for the device) give the same probabilities and losses."""
+    x = logits().detach()
+    target = TARGET.clamp(min=0)[:, None]
+    p1, l1 = losses._probabilities(x, target, smoothing, True)
+    p2, l2 = losses._probabilities(x, target, smoothing, False)
+    torch.testing.assert_close(p1, p2)
+    torch.testing.assert_close(l1, l2)
+
+
 def test_log_softmax_then_nll_loss_is_unbiased():
     def fn(x):
         return F.nll_loss(F.log_softmax(x * 1.0, dim=-1), TARGET.clamp(min=0))
