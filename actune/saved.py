@@ -22,6 +22,7 @@ from actune.quant import (
     PackedSamples,
     PackedTensor,
     dequantize,
+    dequantize_into,
     dequantize_samples,
     unpack_mask,
 )
@@ -164,6 +165,16 @@ class Saved:
         elif self.keep is not None:
             self.keep = None
         return out
+
+    def get_into(self, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`get` written into ``out`` (its shape and dtype, contiguous): a single reader
+        that wants the value in a buffer of its own (the loss's gradient) skips allocating
+        one more (:func:`actune.quant.dequantize_into`). Returns ``out``."""
+        if (type(self.packed) is not PackedTensor or self.host or self.held
+                or self.readers > 1 or torch.is_grad_enabled()):
+            return out.copy_(self.get())
+        self.readers -= 1
+        return dequantize_into(self.packed, out)
 
     def skip(self) -> None:
         """A reader that will not read after all (it took a value rebuilt from this one)."""

@@ -279,3 +279,17 @@ def test_by_feature_leaves_tensors_without_that_order_as_they_are():
     for x in (torch.randn(5), torch.randn(7, 1), torch.randn(1, 9), torch.randn(6, 4).t()):
         p = quantize_checked(x, 8, 8, 3, by_feature=True)
         assert not p.by_feature and torch.equal(p.codes, quantize_checked(x, 8, 8, 3).codes)
+
+
+def test_dequantize_into_fills_the_buffer_as_dequantize_would():
+    x = torch.randn(37, 300, generator=torch.Generator().manual_seed(0))
+    p = actune.quantize(x, 4, seed=3)
+    out = torch.empty(37, 300)
+    assert actune.quant.dequantize_into(p, out) is out
+    assert torch.equal(out, actune.dequantize(p))
+    by_feature = quantize_checked(x, 2, 256, 5, by_feature=True)  # (a copy there)
+    out2 = torch.empty(37, 300)
+    assert torch.equal(actune.quant.dequantize_into(by_feature, out2),
+                       actune.dequantize(by_feature))
+    with pytest.raises(ValueError, match=r"contiguous torch\.float32 tensor of shape"):
+        actune.quant.dequantize_into(p, torch.empty(300, 37).t())

@@ -130,8 +130,8 @@ class PackedCrossEntropy(torch.autograd.Function):
         for i, saved in enumerate(packed):
             start = i * rows
             c = coef[start:start + rows, None]
-            in_place = dtype == torch.float32  # (the product written where it goes: no copy)
-            part = (torch.mul(saved.get(), c, out=out[start:start + rows]) if in_place
+            in_place = dtype == torch.float32  # (dequantized where it goes: no copy)
+            part = (saved.get_into(out[start:start + rows]).mul_(c) if in_place
                     else saved.fresh().float().mul_(c))
             part.scatter_add_(1, ctx.target[start:start + rows, None], -(1 - smoothing) * c)
             if smoothing:
