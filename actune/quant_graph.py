@@ -14,9 +14,11 @@ of 8). CPU tensors of float32 or float64 only: :func:`supported` says which.
 from __future__ import annotations
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
-from actune.quant import _KERNEL_DTYPES, _NUMPY_DTYPES, _cpu_kernels, _empty_cpu
+from actune.quant import _KERNEL_DTYPES, _NUMPY_DTYPES, PackedTensor, _cpu_kernels, dequantize
 from actune.quant_columns import _column_kernels
+from actune_kernels import layout
 
 __all__ = ["USE_ON_CPU", "graph_pack", "graph_unpack", "supported"]
 
@@ -34,11 +36,10 @@ def supported(x: torch.Tensor, by_feature: bool) -> bool:
 
 
 def _groups(shape: torch.Size, group_size: int, by_feature: bool) -> int:
-    numel = shape.numel()
     if by_feature:
         width = shape[-1]
-        return -(-(numel // width) // group_size) * width
-    return -(-numel // group_size)
+        return _column_kernels().column_groups(shape.numel() // width, width, group_size)
+    return layout.num_groups(shape.numel(), group_size)
 
 
 @torch.library.custom_op("actune::graph_pack", mutates_args=())
@@ -74,22 +75,12 @@ def _fake_pack(x, bits, group_size, by_feature, key):
 @torch.library.custom_op("actune::graph_unpack", mutates_args=())
 def graph_unpack(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
                  by_feature: bool, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """The values :func:`graph_pack` kept, as a tensor of ``shape`` and ``dtype``."""
-    numel = torch.Size(shape).numel()
-    work = dtype if dtype in _KERNEL_DTYPES else torch.float32
-    out = _empty_cpu(numel, work)
-    if numel:
-        codes, words = codes.contiguous(), meta.contiguous().view(torch.int16)
-        if by_feature:
-            width = shape[-1]
-            _column_kernels().unpack_columns_at(
-                codes.data_ptr(), words.data_ptr(), bits, group_size, out.data_ptr(),
-                numel // width, width, _NUMPY_DTYPES[work])
-        else:
-            _cpu_kernels().unpack_at(codes.data_ptr(), words.data_ptr(), bits, group_size,
-                                     out.data_ptr(), numel, _NUMPY_DTYPES[work], False)
-    out = out.view(shape)
-    return out if work == dtype else out.to(dtype)
+    """The values :func:`graph_pack` kept, as a tensor of ``shape`` and ``dtype``
+    (:func:`actune.quant.dequantize` of them: the same kernels)."""
+    size = torch.Size(shape)
+    packed = PackedTensor(codes.reshape(-1), meta.view(torch.int16), bits, group_size, size,
+                          dtype, tuple(make_contiguous_strides_for(size)), False, by_feature)
+    return dequantize(packed)
 
 
 @graph_unpack.register_fake

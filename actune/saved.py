@@ -284,18 +284,20 @@ class Derived:
         counts as a read of the packed values (which may keep theirs dequantized for their
         maker's backward, next: a norm's, a gated product's)."""
         self.readers += 1
-        for saved in (self.base, self.factor):
-            if saved is not None:
-                saved.readers += 1
+        for saved in self._sources():
+            saved.readers += 1
+
+    def _sources(self) -> tuple[Saved, ...]:
+        """The packed values this one is rebuilt from."""
+        return (self.base,) if self.factor is None else (self.base, self.factor)
 
     def get(self) -> torch.Tensor:
         """The rebuilt value; a small one (under ``KEEP_NUMEL`` elements) kept for the next of
         several readers (the q, k and v projections reading one norm's output)."""
         if self.keep is not None:
             out = self.keep
-            for saved in (self.base, self.factor):
-                if saved is not None:
-                    saved.skip()
+            for saved in self._sources():
+                saved.skip()
         else:
             out = self._rebuilt()
         self.readers -= 1

@@ -58,10 +58,7 @@ def _probabilities(x: torch.Tensor, target: torch.Tensor, smoothing: float,
     log-softmax's exact value. Without ``one_pass`` (off the CPU, where checking for such
     rows would wait for the device) the log-softmax and its ``exp``: no check needed."""
     if not one_pass:
-        logp = torch.log_softmax(x, 1)
-        loss = logp.gather(1, target).squeeze(1).neg_()
-        if smoothing:
-            loss = loss.mul_(1 - smoothing).sub_(logp.mean(1).mul_(smoothing))
+        logp, loss = _from_log_probabilities(x, target, smoothing)
         return logp.exp_(), loss
     p = torch.softmax(x, 1)
     picked = p.gather(1, target).squeeze(1)
@@ -72,12 +69,18 @@ def _probabilities(x: torch.Tensor, target: torch.Tensor, smoothing: float,
         loss = loss.mul_(1 - smoothing).sub_(x.mean(1).sub_(lse).mul_(smoothing))
     tiny = picked < _TINY
     if _has_values(picked) and tiny.any():  # (rare: a loss above about 69)
-        logp = torch.log_softmax(x[tiny], 1)
-        exact = logp.gather(1, target[tiny]).squeeze(1).neg_()
-        if smoothing:
-            exact = exact.mul_(1 - smoothing).sub_(logp.mean(1).mul_(smoothing))
-        loss[tiny] = exact
+        loss[tiny] = _from_log_probabilities(x[tiny], target[tiny], smoothing)[1]
     return p, loss
+
+
+def _from_log_probabilities(x: torch.Tensor, target: torch.Tensor,
+                            smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-softmax of ``x`` and each row's loss from it."""
+    logp = torch.log_softmax(x, 1)
+    loss = logp.gather(1, target).squeeze(1).neg_()
+    if smoothing:
+        loss = loss.mul_(1 - smoothing).sub_(logp.mean(1).mul_(smoothing))
+    return logp, loss
 
 
 def _has_values(t: torch.Tensor) -> bool:

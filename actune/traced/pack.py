@@ -89,7 +89,7 @@ def _round(scaled: torch.Tensor, bits: int) -> torch.Tensor:
     byte along dim 1: a group of ``n`` values is ``8 // bits`` slices of ``n * bits // 8``,
     and byte ``j`` holds element ``j`` of each slice (slice ``i`` at bits ``i * bits``), so
     that packing and unpacking read and write whole rows, which Inductor vectorises (a byte
-    of neighbours made it gather: unpacking 1M values flat took 1.8 ms, now 0.14)."""
+    of neighbours made it gather: unpacking 1M values flat took 0.45 ms, now 0.13)."""
     top = 2**bits - 1
     q = torch.floor(scaled + uniform(scaled)).clamp_(0, top).to(torch.uint8)
     per = 8 // bits
