@@ -22,7 +22,7 @@ from actune.saved import Saved, check_double_backward, take
 __all__ = ["LEAN_NUMEL", "LeanBatchNorm", "MaskedDropout", "MaskedLinear", "OffsetMaxPool",
            "OrderedConv", "PackedLogSoftmax", "PackedReLU", "SavedDerivative", "TwoCopySoftmax",
            "arg", "as_tuple",
-           "conv_args", "gelu_derivative", "in_chunks", "indices_from_offsets", "inside",
+           "conv_args", "gelu_derivative", "indices_from_offsets", "inside",
            "positive_after", "positive_before", "silu_derivative", "window_offsets"]
 
 
@@ -227,9 +227,9 @@ def _channel_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
     return dot * invstd, grad.sum(dims)
 
 
-#: Convolutions whose input has fewer elements run PyTorch's own backward, and smaller
-#: derivatives are computed whole: the memory the ordered backward (or the chunks) save is
-#: small there, and their Python overhead (about 0.1 ms a call on the CPU) is not.
+#: Convolutions whose input has fewer elements run PyTorch's own backward (and smaller batch
+#: norms their own): the memory the ordered backward saves is small there, and its Python
+#: overhead (about 0.1 ms a call on the CPU) is not.
 LEAN_NUMEL = 1 << 20
 
 
@@ -315,16 +315,16 @@ class MaskedDropout(torch.autograd.Function):
 class SavedDerivative(torch.autograd.Function):
     """y = f(x) for elementwise f: saves f'(x), quantized, and returns grad * f'(x).
 
-    A derivative of the input alone (GELU, SiLU) is computed and packed before ``y`` exists,
-    in chunks for large inputs, so ``x``, ``y`` and ``f'(x)`` are never alive in full together
-    (nor the temporaries of ``f'``). With ``inplace`` (an input derivative only) ``fn`` writes
-    its result over ``x``, as ``SiLU(inplace=True)`` does."""
+    A derivative of the input alone (GELU, SiLU) is computed (one pass where PyTorch has the
+    op's backward kernel: no temporaries) and packed before ``y`` exists, so ``x``, ``y`` and
+    ``f'(x)`` are never alive together. With ``inplace`` (an input derivative only) ``fn``
+    writes its result over ``x``, as ``SiLU(inplace=True)`` does."""
 
     @staticmethod
     def forward(ctx, x, fn, derivative, bits, session, of_input, inplace=False):
         # (forward runs without gradient recording: the derivative is a plain tensor)
         y = None if of_input else fn(x)
-        d = in_chunks(derivative, x) if of_input else derivative(x, y)
+        d = derivative(x, y)
         ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
         del d  # packed: freed before the output of an input-only derivative exists
         if inplace:
@@ -337,18 +337,6 @@ class SavedDerivative(torch.autograd.Function):
         d = take(ctx, "d").fresh()
         out = d.mul_(grad) if d.dtype == grad.dtype else grad * d  # in place: one tensor less
         return out, None, None, None, None, None, None
-
-
-def in_chunks(derivative, x: torch.Tensor, pieces: int = 8) -> torch.Tensor:
-    """``derivative(x, None)`` computed in ``pieces`` slices of a large dense ``x``: its
-    temporaries are a slice's size."""
-    if x.numel() < LEAN_NUMEL or not x.is_contiguous():
-        return derivative(x, None)
-    out = torch.empty_like(x)
-    size = -(-x.numel() // pieces)
-    for part, dst in zip(x.view(-1).split(size), out.view(-1).split(size), strict=True):
-        dst.copy_(derivative(part, None))
-    return out
 
 
 class TwoCopySoftmax(torch.autograd.Function):
@@ -505,30 +493,32 @@ def as_tuple(v, n: int) -> tuple:
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 
 
-def gelu_derivative(approximate: str):
-    """GELU's derivative, computed with two temporaries of the input's size (in place)."""
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """A gradient of ones shaped like ``x``, as one broadcast scalar (no memory)."""
+    return torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
 
+
+def gelu_derivative(approximate: str):
+    """GELU's derivative: PyTorch's own GELU backward with a unit gradient, one vectorised
+    pass and no temporaries (512 K values on the CPU: 0.64 against 1.79 ms for the tanh form
+    spelled in tensor ops, docs/benchmarks.md)."""
+    return _GELU_DERIVATIVES[approximate]
+
+
+def _gelu_derivative_of(approximate: str):
     def derivative(x, _y):
-        if approximate == "tanh":
-            # 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2), t = tanh(c (x + k x^3))
-            c, k = math.sqrt(2.0 / math.pi), 0.044715
-            x2 = x.square()
-            t = x2.mul(k).add_(1).mul_(x).mul_(c).tanh_()  # tanh(c (x + k x^3))
-            x2.mul_(3 * k).add_(1).mul_(x).mul_(0.5 * c)  # 0.5 c x (1 + 3 k x^2)
-            x2.mul_(t.square().neg_().add_(1))
-            return t.add_(1).mul_(0.5).add_(x2)
-        # Phi(x) + x phi(x)
-        d = x.mul(1 / math.sqrt(2.0))
-        x_pdf = d.square().neg_().exp_().mul_(x).mul_(1 / math.sqrt(2 * math.pi))
-        return d.erf_().add_(1).mul_(0.5).add_(x_pdf)
+        return torch.ops.aten.gelu_backward(_unit(x), x, approximate=approximate)
 
     return derivative
 
 
+_GELU_DERIVATIVES = {a: _gelu_derivative_of(a) for a in ("none", "tanh")}
+
+
 def silu_derivative(x, _y):
-    """SiLU's derivative s (1 + x (1 - s)), s = sigmoid(x), with two temporaries."""
-    s = torch.sigmoid(x)
-    return s.neg().add_(1).mul_(x).add_(1).mul_(s)
+    """SiLU's derivative ``s (1 + x (1 - s))``, ``s = sigmoid(x)``: PyTorch's own SiLU
+    backward with a unit gradient, one vectorised pass and no temporaries."""
+    return torch.ops.aten.silu_backward(_unit(x), x)
 
 
 def arg(args: tuple, kwargs: dict, i: int, name: str, default):
