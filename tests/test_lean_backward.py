@@ -109,10 +109,9 @@ class _TwoConvs(nn.Module):
         return self.b(self.a(x))
 
 
-def _peak(model_cls, batch_shape: tuple, mode: str, threshold: int, monkeypatch,
-          backward: bool = True) -> int:
-    """Peak bytes of one u2 step of ``model_cls`` on a random batch of ``batch_shape`` (or of
-    its forward pass alone), the ordered paths taken from ``threshold`` elements."""
+def _peak(model_cls, batch_shape: tuple, mode: str, threshold: int, monkeypatch) -> int:
+    """Peak bytes of one u2 step of ``model_cls`` on a random batch of ``batch_shape``, the
+    ordered paths taken from ``threshold`` elements."""
     monkeypatch.setattr(substitutes, "LEAN_NUMEL", threshold)
 
     def build():
@@ -125,9 +124,8 @@ def _peak(model_cls, batch_shape: tuple, mode: str, threshold: int, monkeypatch,
         opt.zero_grad(set_to_none=True)
         with actune.compressed("u2"):
             loss = model(x).mean()
-        if backward:
-            loss.backward()
-            opt.step()
+        loss.backward()
+        opt.step()
 
     return StepMeter(build, step, mode).peak(batch_shape[0]).total
 
