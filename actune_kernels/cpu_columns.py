@@ -235,19 +235,40 @@ def _pack_columns(x_at, total, width, like, magnitude, inf_key, codes_at, meta_a
 def _unpack_kernel(bits: int):
     """The jitted function unpacking rows of some features at ``bits`` (a constant in it)."""
     per = 8 // bits
-    mask = (1 << bits) - 1
+    word = {1: np.uint64, 2: np.uint32, 4: np.uint16, 8: np.uint8}[bits]
+    # a byte's codes spread one a byte (code j to bit 8j), undoing the pack's joining: each
+    # step doubles the distance between codes, ``(w | w << shift) & keep``
+    steps = {1: ((28, 0x0000000F0000000F), (14, 0x0003000300030003), (7, 0x0101010101010101)),
+             2: ((12, 0x000F000F), (6, 0x03030303)), 4: ((4, 0x0F0F),), 8: ()}[bits]
+    (s1, k1), (s2, k2), (s3, k3) = (*steps, *((0, 0),) * (3 - len(steps)))
+    n_steps = len(steps)
 
     def rows_at(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code):  # pragma: no cover
         """Rows ``[r0, r1)`` of features ``f0`` to ``f0 + nf``, each feature with its own
-        ``lo`` and step."""
+        ``lo`` and step: a row's codes spread one a byte, then one vectorised pass."""
         t = y.dtype.type
+        scratch = np.empty(nf, np.uint8)
+        wide = scratch.view(word)
+        wt = wide.dtype.type
         for r in range(r0, r1):
             at = _U64((r * width + f0) // per)
             out = _U64(r * width + f0)
+            if per == 1:  # (a code a byte already)
+                for i in range(nf):
+                    y[out + _U64(i)] = _value(codes[at + _U64(i)], lo[i], scale[i], zero_code,
+                                              t)
+                continue
+            for k in range(nf // per):
+                w = wt(codes[at + _U64(k)])
+                if n_steps >= 1:
+                    w = wt(wt(w | wt(w << wt(s1))) & wt(k1))
+                if n_steps >= 2:
+                    w = wt(wt(w | wt(w << wt(s2))) & wt(k2))
+                if n_steps >= 3:
+                    w = wt(wt(w | wt(w << wt(s3))) & wt(k3))
+                wide[k] = w
             for i in range(nf):
-                byte = codes[at + _U64(i // per)]
-                q = (byte >> np.uint8((i % per) * bits)) & np.uint8(mask)
-                y[out + _U64(i)] = _value(q, lo[i], scale[i], zero_code, t)
+                y[out + _U64(i)] = _value(scratch[i], lo[i], scale[i], zero_code, t)
 
     return _cached(rows_at, f"unpack_columns_{bits}")
 
