@@ -8,7 +8,8 @@ with Dynamo's graph breaks and graphs under L3. Peaks twice: after ``zero_grad()
 (accumulation's later micro-batches; a compiled backward returns every weight gradient at
 its end, eager adds each as it is made). Ratios are within this run:
 
-    python benchmarks/compile.py [--rounds 5] [--threads 2] [--fused-packs]
+    python benchmarks/compile.py [--rounds 5] [--threads 2] [--fused-packs] [--channels-last]
+                                 [--models resnet,llama]
 """
 
 from __future__ import annotations
@@ -83,9 +84,12 @@ def peak(fn, steps: int = 3) -> float:
     return best / 2**20
 
 
-def variant(make, compiled: bool, level: str):
+def variant(make, compiled: bool, level: str, channels_last: bool = False):
     torch.manual_seed(0)
     model, x = make()
+    if channels_last and x.dim() == 4:  # (a convolutional model: weights and input NHWC)
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
     if level != "L0":
         actune.compress(model, level)
     run = torch.compile(model) if compiled else model
@@ -108,6 +112,10 @@ def main() -> None:
                         help="Inductor's layout_optimization = False (for every compiled "
                              "variant): no channels-last copies of convolutions' weights and "
                              "activations")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="convolutional models and their inputs in channels-last memory "
+                             "format (the layout Inductor's layout optimization copies them "
+                             "to otherwise), eager and compiled alike")
     parser.add_argument("--fused-packs", action="store_true",
                         help="pack with torch ops Inductor fuses (a GPU's form) instead of "
                              "the Numba kernels as one op each (the CPU's default)")
@@ -132,7 +140,7 @@ def main() -> None:
             for level in ("L0", "L3"):
                 torch._dynamo.reset()
                 counters.clear()
-                step = variant(make, compiled, level)
+                step = variant(make, compiled, level, args.channels_last)
                 for _ in range(2):
                     step()
                 key = ("compiled" if compiled else "eager", level)
