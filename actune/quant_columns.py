@@ -27,7 +27,8 @@ from actune.quant import (
     quantize_checked,
 )
 
-__all__ = ["dequantize_by_feature", "feature_order", "quantize_by_feature"]
+__all__ = ["dequantize_by_feature", "dequantize_times", "feature_order", "folds_products",
+           "quantize_by_feature"]
 
 
 def feature_order(x: torch.Tensor) -> tuple[int, int, int] | None:
@@ -104,3 +105,32 @@ def dequantize_by_feature(p: PackedTensor) -> torch.Tensor:
         codes.contiguous().data_ptr(), p.meta.contiguous().data_ptr(), p.bits, p.group_size,
         out.data_ptr(), p.numel() // width, width, _NUMPY_DTYPES[work], p.zero_code)
     return out.view(p.shape) if work == p.dtype else out.view(p.shape).to(p.dtype)
+
+
+def folds_products(p: object) -> bool:
+    """Can :func:`dequantize_times` take a product as it unpacks ``p`` (a value packed in the
+    column layout on the CPU, in a dtype the kernels write)?"""
+    return (type(p) is PackedTensor and p.by_feature and type(p.codes) is torch.Tensor
+            and p.codes.is_cpu and p.dtype in _KERNEL_DTYPES and not compiling())
+
+
+def dequantize_times(p: PackedTensor, other: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``dequantize(p) * other`` with the product taken as the kernel unpacks ``p`` (one pass,
+    no dequantized copy), written into ``out`` if given (it may be ``other``); None where
+    ``p`` is not in the column layout on the CPU or the operands' shape, dtype or layout
+    differ from the value's (the caller multiplies a dequantized copy then)."""
+    codes = p.codes
+    if (not folds_products(p)
+            or any(t is not None and (type(t) is not torch.Tensor or t.shape != p.shape
+                                      or t.dtype != p.dtype or not t.is_contiguous()
+                                      or not t.is_cpu) for t in (other, out))):
+        return None
+    if out is None:
+        out = _empty_cpu(p.numel(), p.dtype).view(p.shape)
+    width = p.shape[-1]
+    _column_kernels().unpack_columns_at(
+        codes.contiguous().data_ptr(), p.meta.contiguous().data_ptr(), p.bits, p.group_size,
+        out.data_ptr(), p.numel() // width, width, _NUMPY_DTYPES[p.dtype], p.zero_code,
+        other.data_ptr())
+    return out

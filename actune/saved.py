@@ -27,6 +27,7 @@ from actune.quant import (
     unpack_mask,
 )
 from actune.quant_batch import dequantize_many
+from actune.quant_columns import dequantize_times, folds_products
 
 __all__ = [
     "Derived",
@@ -164,6 +165,36 @@ class Saved:
             self.keep = out
         elif self.keep is not None:
             self.keep = None
+        return out
+
+    def folds(self) -> bool:
+        """Would :meth:`times` take its product as the kernel unpacks (the column layout on
+        the CPU, the value not dequantized already, nor on the host)?"""
+        return not self.host and not self.held and folds_products(self.packed)
+
+    def times(self, other: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The value times ``other`` (written into ``into`` if given; it may be ``other``).
+        Where :meth:`folds`, the product is taken as the kernel unpacks: one pass and no
+        dequantized copy, not kept for a later reader (which unpacks again)."""
+        if self.folds():
+            if torch.is_grad_enabled():
+                raise DoubleBackwardError(_DOUBLE_BACKWARD)
+            out = dequantize_times(self.packed, other, into)
+            if out is not None:
+                self.readers -= 1
+                return out
+        value = self.get()
+        return value * other if into is None else torch.mul(value, other, out=into)
+
+    def owned(self) -> torch.Tensor:
+        """The value as a tensor nothing else holds (the caller may overwrite it), not kept
+        for later readers (each dequantizes again, or folds its product in: :meth:`times`)."""
+        if self.host or self.held or not isinstance(self.packed, PackedTensor):
+            return self.fresh()
+        if torch.is_grad_enabled():
+            raise DoubleBackwardError(_DOUBLE_BACKWARD)
+        out = dequantize(self.packed)
+        self.readers -= 1
         return out
 
     def get_into(self, out: torch.Tensor) -> torch.Tensor:
@@ -307,9 +338,16 @@ class Derived:
     def _rebuilt(self) -> torch.Tensor:
         # (the base, the weight and the bias share the output's dtype: the norm's rule
         # shares only then)
-        out = self.base.get()
-        if self.factor is not None:
-            out = out * self.factor.get()
+        factor = self.factor
+        if factor is not None and factor.folds() and self.base.folds():
+            # (a gated product: one operand dequantized, the other's product folded into its
+            # unpack, in place; the product's own backward folds its gradients alike)
+            out = self.base.owned()
+            out = factor.times(out, into=out)
+        else:
+            out = self.base.get()
+            if factor is not None:
+                out = out * factor.get()
         if self.weight is not None:
             out = out * self.weight if self.bias is None else torch.addcmul(self.bias, out,
                                                                              self.weight)

@@ -243,9 +243,11 @@ def _unpack_kernel(bits: int):
     (s1, k1), (s2, k2), (s3, k3) = (*steps, *((0, 0),) * (3 - len(steps)))
     n_steps = len(steps)
 
-    def rows_at(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code):  # pragma: no cover
+    def rows_at(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, other,
+                times):  # pragma: no cover - jitted
         """Rows ``[r0, r1)`` of features ``f0`` to ``f0 + nf``, each feature with its own
-        ``lo`` and step: a row's codes spread one a byte, then one vectorised pass."""
+        ``lo`` and step (``times``: each value multiplied by ``other``'s at its index): a
+        row's codes spread one a byte, then one vectorised pass."""
         t = y.dtype.type
         scratch = np.empty(nf, np.uint8)
         wide = scratch.view(word)
@@ -253,22 +255,31 @@ def _unpack_kernel(bits: int):
         for r in range(r0, r1):
             at = _U64((r * width + f0) // per)
             out = _U64(r * width + f0)
-            if per == 1:  # (a code a byte already)
+            if per == 1 and not times:  # (a code a byte already: one pass)
                 for i in range(nf):
                     y[out + _U64(i)] = _value(codes[at + _U64(i)], lo[i], scale[i], zero_code,
                                               t)
                 continue
-            for k in range(nf // per):
-                w = wt(codes[at + _U64(k)])
-                if n_steps >= 1:
-                    w = wt(wt(w | wt(w << wt(s1))) & wt(k1))
-                if n_steps >= 2:
-                    w = wt(wt(w | wt(w << wt(s2))) & wt(k2))
-                if n_steps >= 3:
-                    w = wt(wt(w | wt(w << wt(s3))) & wt(k3))
-                wide[k] = w
-            for i in range(nf):
-                y[out + _U64(i)] = _value(scratch[i], lo[i], scale[i], zero_code, t)
+            if per == 1:
+                for i in range(nf):
+                    scratch[i] = codes[at + _U64(i)]
+            else:
+                for k in range(nf // per):
+                    w = wt(codes[at + _U64(k)])
+                    if n_steps >= 1:
+                        w = wt(wt(w | wt(w << wt(s1))) & wt(k1))
+                    if n_steps >= 2:
+                        w = wt(wt(w | wt(w << wt(s2))) & wt(k2))
+                    if n_steps >= 3:
+                        w = wt(wt(w | wt(w << wt(s3))) & wt(k3))
+                    wide[k] = w
+            if times:
+                for i in range(nf):
+                    y[out + _U64(i)] = (_value(scratch[i], lo[i], scale[i], zero_code, t)
+                                        * other[out + _U64(i)])
+            else:
+                for i in range(nf):
+                    y[out + _U64(i)] = _value(scratch[i], lo[i], scale[i], zero_code, t)
 
     return _cached(rows_at, f"unpack_columns_{bits}")
 
@@ -277,26 +288,27 @@ _U1, _U2, _U4, _U8 = (_unpack_kernel(b) for b in layout.SUPPORTED_BITS)
 
 
 @numba.njit(inline="always")
-def _unpack_rows_at(bits, codes, y, lo, scale, r0, r1, width, f0, nf,
-                    zero_code):  # pragma: no cover - jitted
+def _unpack_rows_at(bits, codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, other,
+                    times):  # pragma: no cover - jitted
     if bits == 1:
-        _U1(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code)
+        _U1(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, other, times)
     elif bits == 2:
-        _U2(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code)
+        _U2(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, other, times)
     elif bits == 4:
-        _U4(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code)
+        _U4(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, other, times)
     else:
-        _U8(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code)
+        _U8(codes, y, lo, scale, r0, r1, width, f0, nf, zero_code, other, times)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _unpack_columns(codes_at, meta_at, bits, rows, zero_code, out_at, total, width,
-                    like):  # pragma: no cover - jitted
+def _unpack_columns(codes_at, meta_at, bits, rows, zero_code, out_at, total, width, like,
+                    times_at):  # pragma: no cover - jitted
     n = total * width
     y = numba.carray(_pointer(out_at, like), n)
     blocks = (total + rows - 1) // rows
     codes = numba.carray(_pointer(codes_at, np.uint8(0)), blocks * rows * width * bits // 8)
     meta = numba.carray(_pointer(meta_at, np.uint16(0)), (blocks * width, 2))
+    other = numba.carray(_pointer(times_at if times_at else out_at, like), n)  # (0: unread)
     t = y.dtype.type
     chunks = (width + _FEATURES - 1) // _FEATURES
     for task in prange(blocks * chunks):
@@ -311,7 +323,7 @@ def _unpack_columns(codes_at, meta_at, bits, rows, zero_code, out_at, total, wid
             lo[j] = t(lo64)
             scale[j] = t(scale64)
         _unpack_rows_at(bits, codes, y, lo, scale, b * rows, min(b * rows + rows, total),
-                        width, f0, nf, zero_code)
+                        width, f0, nf, zero_code, other, times_at != 0)
 
 
 def pack_columns_at(x_at: int, total: int, width: int, dtype: np.dtype, codes_at: int,
@@ -331,9 +343,12 @@ def pack_columns_at(x_at: int, total: int, width: int, dtype: np.dtype, codes_at
 
 
 def unpack_columns_at(codes_at: int, meta_at: int, bits: int, rows: int, out_at: int,
-                      total: int, width: int, dtype: np.dtype, zero_code: bool = False) -> None:
+                      total: int, width: int, dtype: np.dtype, zero_code: bool = False,
+                      times_at: int = 0) -> None:
     """The inverse of :func:`pack_columns_at`: the row-major ``[total, width]`` values at
-    ``out_at``."""
+    ``out_at``; with ``times_at`` (the address of ``total * width`` values of ``dtype`` in the
+    same order, which may be ``out_at``) each value multiplied by its own there as it is
+    written, in place of a pass over a dequantized copy."""
     if total * width:
         _unpack_columns(codes_at, meta_at, bits, rows, bool(zero_code), out_at, total,
-                        width, _LIKE[dtype])
+                        width, _LIKE[dtype], times_at)

@@ -152,14 +152,18 @@ def test_a_gated_product_keeps_two_copies_and_the_down_projection_rebuilds_from_
 
 
 def test_backward_dequantizes_each_packed_value_once(monkeypatch):
-    """The down projection rebuilds the product from the two operands, and the gated
-    product's backward, next, reads the same dequantized operands (not unpacked again); a
-    norm's ``x_hat`` likewise serves the matmul rebuilding its output, then the norm."""
+    """A norm's ``x_hat`` serves the matmul rebuilding its output, then the norm (one
+    dequantized copy). The down projection rebuilds the product from the two operands (by
+    feature, the column layout): one dequantized, the other's product folded into its
+    unpack; the gated product's backward folds both gradients' products into unpacks too, and
+    no dequantized copy of an operand is made again."""
     from actune import saved as saved_module
 
-    calls = []
-    real = saved_module.dequantize
+    calls, folded = [], []
+    real, real_times = saved_module.dequantize, saved_module.dequantize_times
     monkeypatch.setattr(saved_module, "dequantize", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(saved_module, "dequantize_times",
+                        lambda p, *a: folded.append(p) or real_times(p, *a))
     x = torch.randn(8, 16, 48, generator=torch.Generator().manual_seed(0)).requires_grad_()
     norm_w = nn.Parameter(torch.rand(48) + 0.5)
     up, gate, down = (nn.Parameter(torch.randn(*shape, generator=torch.Generator()
@@ -178,7 +182,10 @@ def test_backward_dequantizes_each_packed_value_once(monkeypatch):
     assert stats[0].packed == 4
     calls.clear()
     y.square().sum().backward()
-    assert len({id(p) for p in calls}) == len(calls) == 4  # each once
+    assert len({id(p) for p in calls}) == len(calls) == 3  # x_hat, derivative, an operand
+    operands = {id(p) for p in folded}
+    assert len(folded) == 3 and len(operands) == 2  # the rebuild's, then both gradients'
+    assert len(operands & {id(p) for p in calls}) == 1  # the other operand's, in the rebuild
 
 
 def test_compressed_runs_an_inline_rms_norm_as_one_op_and_removes_its_module_hooks():

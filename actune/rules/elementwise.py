@@ -130,8 +130,11 @@ class GatedProduct(torch.autograd.Function):
 
 
 def _times(grad: torch.Tensor, saved) -> torch.Tensor:
-    """``grad`` times a packed operand, written over its dequantized copy where the dtypes
-    agree and nothing else holds that copy (one temporary less)."""
+    """``grad`` times a packed operand: folded into its unpack where the kernels can
+    (:meth:`~actune.saved.Saved.times`), else written over its dequantized copy where the
+    dtypes agree and nothing else holds that copy (one temporary less)."""
+    if saved.folds():
+        return saved.times(grad)
     if saved.held:  # (dequantized already, for the product's other reader)
         return grad * saved.get()
     value = saved.fresh()

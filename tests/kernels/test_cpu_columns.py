@@ -48,6 +48,27 @@ def test_columns_match_the_reference(case):
     assert nan_group.sum() == min(rows, shape[0] - (3 // rows) * rows)
 
 
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}b" for c in CASES])
+def test_unpack_folds_a_product_in_exactly(case):
+    """``times_at``: the value times another array's, bit for bit what multiplying the
+    dequantized values gives, also written over that array (in place)."""
+    shape, bits, rows, dtype, zero_code, stochastic, base = case
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(shape).astype(dtype)
+    if zero_code:
+        x = np.maximum(x, 0)
+    codes, meta = pack(x, bits, rows, 9, stochastic, zero_code, base)
+    other = rng.standard_normal(shape).astype(dtype)
+    want = ref.unpack_columns(codes, meta, bits, *shape, rows, dtype, zero_code) * other
+    y = np.empty(shape, dtype)
+    cc.unpack_columns_at(codes.ctypes.data, meta.ctypes.data, bits, rows, y.ctypes.data,
+                         *shape, y.dtype, zero_code, other.ctypes.data)
+    assert np.array_equal(y, want)
+    cc.unpack_columns_at(codes.ctypes.data, meta.ctypes.data, bits, rows, other.ctypes.data,
+                         *shape, y.dtype, zero_code, other.ctypes.data)
+    assert np.array_equal(other, want)
+
+
 def test_each_feature_keeps_its_own_step():
     # a feature 1,000x smaller than its neighbours keeps its own fine step
     x = np.random.default_rng(1).standard_normal((512, 16)).astype(np.float32)
