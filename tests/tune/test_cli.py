@@ -370,7 +370,7 @@ def test_bench_at_max_names_the_fastest_configuration_that_fits(tmp_path):
 
 
 def test_progress_shows_the_trial_its_size_and_the_time_left():
-    from actune import cli
+    from actune.cli import tuning as cli
     from actune.report import LevelResult, Report
     from actune.tune.alternatives import get_config
     from actune.tune.search import Probe
