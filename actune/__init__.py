@@ -1,6 +1,7 @@
 """actune: activation-compressed training for PyTorch, and an auto-tuner around it."""
 
-from actune.autoprec import AutoPrecision, allocate
+from actune.autoprec import AutoPrecision
+from actune.bit_allocation import allocate
 from actune.convert import (
     autoprec_of,
     compress,

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import actune
-from actune import autoprec, zoo
+from actune import autoprec, bit_allocation, zoo
 from actune.autoprec import CHOICES, AutoPrecision, allocate, objective
 from actune.levels import get_level, parse_levels
 from actune.quant import PackedRows, PackedSamples, dequantize_samples, quantize_samples
@@ -57,11 +57,11 @@ def test_greedy_on_large_problems_is_within_a_hair_of_the_exact_optimum():
     costs = rng.lognormal(0, 2, 300)
     numel = rng.integers(1, 40, 300) * 64  # the exact path solves in units of 64
     lo = np.ones(300, dtype=np.int64)
-    var = np.stack([costs * autoprec._NOISE[b] for b in CHOICES], axis=1)
+    var = np.stack([costs * bit_allocation.NOISE[b] for b in CHOICES], axis=1)
     for avg in (1.25, 2.0, 3.0):
         cap = int(avg * numel.sum())
-        exact = autoprec._exact(var, numel // 64, cap // 64, lo)
-        greedy = autoprec._greedy(var, numel, cap, lo)
+        exact = bit_allocation._exact(var, numel // 64, cap // 64, lo)
+        greedy = bit_allocation._greedy(var, numel, cap, lo)
         assert (allocate(costs, numel, avg) == greedy).all()  # too large: allocate is greedy
         assert (greedy * numel).sum() <= cap
         assert objective(costs, greedy) <= objective(costs, exact) * 1.02
