@@ -188,6 +188,44 @@ def test_backward_dequantizes_each_packed_value_once(monkeypatch):
     assert len(operands & {id(p) for p in calls}) == 1  # the other operand's, in the rebuild
 
 
+@pytest.mark.parametrize("reader", ["down_projection", "transposed"])
+def test_folded_products_give_the_same_gradients_bit_for_bit(reader, monkeypatch):
+    """The gated product's gradients and the down projection's rebuilt input, folded into
+    the column unpacks, equal the dequantize-then-multiply path exactly (same seeds); where
+    the product's gradient is a strided view (a transposed reader) the fold steps aside."""
+    from actune import saved as saved_module
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 32, 24, generator=gen).requires_grad_()
+    gate, up = (nn.Parameter(torch.randn(48, 24, generator=gen) / 5) for _ in range(2))
+    down = nn.Parameter(torch.randn(24, 48, generator=gen) / 7)
+    g = torch.randn(4, 32, 24 if reader == "down_projection" else 48, generator=gen)
+    folded_calls = []
+    real = saved_module.dequantize_times
+    monkeypatch.setattr(saved_module, "dequantize_times",
+                        lambda *a: folded_calls.append(real(*a)) or folded_calls[-1])
+
+    def grads():
+        torch.manual_seed(0)
+        with actune.compressed(level(2, sensitive_bits=4)):
+            p = (nn.functional.silu(nn.functional.linear(x * 1.0, gate))
+                 * nn.functional.linear(x * 1.0, up))
+            y = (nn.functional.linear(p, down) if reader == "down_projection"
+                 else p.transpose(0, 1).contiguous().transpose(0, 1))
+        return torch.autograd.grad(y, (x, gate, up), g.transpose(0, 1).contiguous()
+                                   .transpose(0, 1) if reader == "transposed" else g)
+
+    folded = grads()
+    if reader == "down_projection":
+        assert len(folded_calls) == 3 and all(t is not None for t in folded_calls)
+    else:
+        assert folded_calls and all(t is None for t in folded_calls)  # (stepped aside)
+    monkeypatch.setattr(saved_module, "folds_products", lambda p: False)
+    plain = grads()
+    for a, b in zip(folded, plain, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_compressed_runs_an_inline_rms_norm_as_one_op_and_removes_its_module_hooks():
     model = tiny_llama()
     norm = model.model.layers[0].input_layernorm
