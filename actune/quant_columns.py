@@ -6,6 +6,8 @@ group, codes in memory order; no copy is made on either side and the dequantized
 row-major. Elsewhere (CUDA, traced code, other widths) the tensor is packed from a copy laid
 out features first (feature-major order, :func:`feature_order`) and dequantized in that
 layout. The entry point is :func:`actune.quant.quantize_checked` with ``by_feature=True``.
+In the column layout :func:`dequantize_times` multiplies as it unpacks (a backward's product
+of a packed operand and a gradient, in one pass).
 """
 
 from __future__ import annotations
