@@ -16,7 +16,7 @@ def throughput_curves(workload, levels: list, settings, report: Report, sizes: d
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from actune.tune.run import throughput
+    from actune.tune.bench import throughput
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for level, row in zip(levels, report.levels, strict=True):

@@ -241,7 +241,7 @@ def bench(
     debug: Debug = False,
 ) -> None:
     """Throughput and memory per optimization level, side by side (real training steps)."""
-    from actune.tune import run
+    from actune.tune import bench as bench_job
 
     with errors(debug):
         if plot is not None:
@@ -256,7 +256,7 @@ def bench(
             resolution = BENCH_BUILTIN_RESOLUTION
         sizes = {"resolution": resolution} if resolution and "resolution" in workload.dims \
             else {}
-        report = _run_job(run.bench, level_list, quiet, json_path, workload=workload,
+        report = _run_job(bench_job.bench, level_list, quiet, json_path, workload=workload,
                           settings=settings, batch=batch, at_max=at_max,
                           sizes=sizes, steps=steps, warmup=max(warmup, 1 if compile_ else 0),
                           answer=True, compile=compile_, compile_backend=compile_backend)

@@ -1,4 +1,5 @@
-"""The three tuning jobs: maxbatch, scale and bench, one level after another.
+"""The searching tuning jobs, maxbatch and scale, one level after another (bench, which
+times real steps, is :mod:`actune.tune.bench`); the helpers the jobs share for their rows.
 
 Each returns a :class:`actune.report.Report`; ``on_level`` is called after every finished level
 (the CLI writes its JSON then, so finished levels are never lost) and ``on_probe`` after every
@@ -10,24 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
-import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-import actune
 from actune.memory import Budget
 from actune.memory.gpu_model import GpuModel
-from actune.precision import scaler as precision_scaler
 from actune.report import LevelResult, Report
 from actune.tune.alternatives import Config, get_config
 from actune.tune.ceiling import parameter_bytes, parameter_state_ceiling
 from actune.tune.compiled import calibrate, compiled_answer, measure_point
 from actune.tune.parallel import available_workers, run_searches
-from actune.tune.probe import Trial, prepare, warm_up
+from actune.tune.probe import Trial, warm_up
 from actune.tune.search import Probe, SearchResult, largest_fitting
 from actune.tune.selective import block_names, describe_whole, fewer_checkpoints
 from actune.tune.sharding import Sharding, per_rank_parameter_share, release
@@ -87,7 +83,7 @@ class Settings:
         return 512 if self.mode == "estimate" else None
 
 
-def _note(config: Config, settings: Settings, real_steps: bool = False) -> str:
+def level_note(config: Config, settings: Settings, real_steps: bool = False) -> str:
     if config.offloads and torch.device(settings.device).type != "cuda":
         if settings.mode == "estimate" and not real_steps:
             return "offload simulated"
@@ -96,7 +92,7 @@ def _note(config: Config, settings: Settings, real_steps: bool = False) -> str:
     return ""
 
 
-def _add(report: Report, row: LevelResult, on_level: Callable | None) -> None:
+def add_row(report: Report, row: LevelResult, on_level: Callable | None) -> None:
     """Append a finished (or interrupted) level; an interrupted one ends the job."""
     report.levels.append(row)
     report.relate_to_l0()
@@ -107,7 +103,7 @@ def _add(report: Report, row: LevelResult, on_level: Callable | None) -> None:
 
 
 def _fill_at(row: LevelResult, peak_of: Callable[[], object], config: Config) -> None:
-    """:func:`_fill` with the peak ``peak_of()`` measures. Interrupted while it measures (a
+    """:func:`fill_peak` with the peak ``peak_of()`` measures. Interrupted while it measures (a
     Ctrl-C that reaches a search as it ends), the row keeps its answer without the peak's
     figures, marked incomplete, instead of being lost."""
     try:
@@ -115,10 +111,10 @@ def _fill_at(row: LevelResult, peak_of: Callable[[], object], config: Config) ->
     except KeyboardInterrupt:
         row.complete = False
         return
-    _fill(row, peak, config)
+    fill_peak(row, peak, config)
 
 
-def _fill(row: LevelResult, peak, config: Config) -> None:
+def fill_peak(row: LevelResult, peak, config: Config) -> None:
     """Copy a peak's figures into a report row."""
     row.peak_bytes, row.host_bytes = peak.total, peak.host
     row.reserved_bytes = peak.reserved or None
@@ -131,17 +127,17 @@ def _fill(row: LevelResult, peak, config: Config) -> None:
     row.kept_exact = dict(peak.kept_exact)
 
 
-def _reporter(on_probe: Callable | None, config: Config) -> Callable[[Probe], None] | None:
+def probe_reporter(on_probe: Callable | None, config: Config) -> Callable[[Probe], None] | None:
     return (lambda p: on_probe(config, p)) if on_probe else None
 
 
-def _row(config: Config, value, **fields) -> LevelResult:
+def new_row(config: Config, value, **fields) -> LevelResult:
     return LevelResult(config.name, value, base_level=config.level.name,
                        checkpoint=config.checkpoint, offload=config.offload,
                        whole_blocks=list(config.whole), **fields)
 
 
-def _probes(probes: list[Probe]) -> list[dict]:
+def probe_dicts(probes: list[Probe]) -> list[dict]:
     return [{"size": p.size, "fits": p.fits, "peak": p.peak} for p in probes]
 
 
@@ -245,7 +241,7 @@ def _each_level(report: Report, levels: list, settings: Settings, on_level: Call
                     if on_row:
                         on_row(row)
                     done.append((config, row))
-                    _add(report, row, on_level)
+                    add_row(report, row, on_level)
         except KeyboardInterrupt:  # keep every row that came back (searched side by side, a
             late = [rows[i] for i in range(len(done), len(configs)) if i in rows]  # later
             if late:  # level may have finished before an earlier one), in the order asked for
@@ -285,7 +281,7 @@ def _same_as_before(done: list[tuple[Config, LevelResult]], config: Config,
                     if _estimated_as(c, gpu) == twin and row.complete), None)
     if earlier is None:
         return None
-    note = "; ".join(n for n in (_note(config, settings), f"estimated as {earlier[0].name}")
+    note = "; ".join(n for n in (level_note(config, settings), f"estimated as {earlier[0].name}")
                      if n)
     return dataclasses.replace(earlier[1], level=config.name, base_level=config.level.name,
                                note=note, probes=[])
@@ -310,11 +306,11 @@ def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes
         return largest_fitting(
             lambda n: trial.probe(n, settings.budget.bytes), start=begin,
             step=multiple_of, maximum=maximum, budget=settings.search_budget,
-            on_probe=_reporter(on_probe, config))
+            on_probe=probe_reporter(on_probe, config))
 
     level, result, probes, blocks = _choosing(workload, level, settings, search(level, start),
                                               search, lambda value: (sizes, value))
-    row = _row(level, result.value, probes=_probes(probes),
+    row = new_row(level, result.value, probes=probe_dicts(probes),
                complete=result.complete, capped=result.capped,
                note=_notes(level, settings, blocks))
     if result.value:
@@ -331,13 +327,13 @@ def _choosing(workload: Workload, config: Config, settings: Settings, result: Se
               search: Callable[[Config, int], SearchResult],
               step_at: Callable[[int], tuple[dict, int]],
               ) -> tuple[Config, SearchResult, list[Probe], int | None]:
-    """With checkpointing: the blocks chosen (:func:`_choose_blocks`) at ``result``'s answer,
+    """With checkpointing: the blocks chosen (:func:`choose_blocks`) at ``result``'s answer,
     searched again from there (``search(config, begin)``) and chosen again at the new answer,
     up to :data:`_CHOICE_ROUNDS` times. The configuration, the last search's result, every
     probe made, and how many blocks the model has (None: nothing chosen)."""
     probes, blocks = list(result.probes), None
     for _ in range(_CHOICE_ROUNDS):
-        chosen, blocks = _choose_blocks(workload, config, settings,
+        chosen, blocks = choose_blocks(workload, config, settings,
                                         result.value if result.complete else None, step_at)
         if chosen == config:
             break
@@ -346,7 +342,7 @@ def _choosing(workload: Workload, config: Config, settings: Settings, result: Se
     return config, result, probes, blocks
 
 
-def _choose_blocks(workload: Workload, config: Config, settings: Settings, value: int | None,
+def choose_blocks(workload: Workload, config: Config, settings: Settings, value: int | None,
                    step_at: Callable[[int], tuple[dict, int]]) -> tuple[Config, int | None]:
     """With checkpointing: ``config`` with the blocks chosen by :mod:`actune.tune.selective`
     at the answer ``value`` (``step_at(value)``: the sizes and batch of its step), and how
@@ -362,9 +358,9 @@ def _choose_blocks(workload: Workload, config: Config, settings: Settings, value
 
 
 def _notes(config: Config, settings: Settings, blocks: int | None) -> str:
-    """A row's note: :func:`_note`, and the blocks run whole under checkpointing."""
+    """A row's note: :func:`level_note`, and the blocks run whole under checkpointing."""
     whole = describe_whole(config.whole, blocks) if config.whole and blocks else ""
-    return "; ".join(n for n in (_note(config, settings), whole) if n)
+    return "; ".join(n for n in (level_note(config, settings), whole) if n)
 
 
 def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch: int,
@@ -426,14 +422,14 @@ def _scale_level(workload: Workload, level: Config, settings: Settings, dim: str
 
         return largest_fitting(probe, start=begin, step=step, maximum=cap,
                                budget=settings.search_budget,
-                               on_probe=_reporter(on_probe, config))
+                               on_probe=probe_reporter(on_probe, config))
 
     level, result, probes, blocks = _choosing(workload, level, settings, search(level, start),
                                               search, lambda value: ({dim: value * unit},
                                                                      batch))
     value = result.value * unit if result.value else None
-    row = _row(level, value,
-               probes=[{**p, "size": p["size"] * unit} for p in _probes(probes)],
+    row = new_row(level, value,
+               probes=[{**p, "size": p["size"] * unit} for p in probe_dicts(probes)],
                complete=result.complete, capped=result.capped,
                note=_notes(level, settings, blocks))
     if value:
@@ -453,177 +449,3 @@ def _ceiling(workload: Workload, dim: str, unit: float, value: float, optimizer_
     optimizer = optimizer_bytes / (full * share)
     return parameter_state_ceiling(workload, dim, unit, settings.budget.bytes,
                                    share * (2 + optimizer) + extra)
-
-
-def throughput(workload: Workload, level, batch: int, sizes: dict, device: str,
-               steps: int = 5, warmup: int = 2) -> float:
-    """Samples per second of real training steps: the median over ``steps`` timed steps
-    after ``warmup`` untimed ones."""
-    return throughputs(workload, [(level, batch)], sizes, device, steps, warmup)[0]
-
-
-def throughputs(workload: Workload, runs: list[tuple], sizes: dict, device: str,
-                steps: int = 5, warmup: int = 2) -> list[float]:
-    """Samples per second of each (level, batch): the batch over the median of its step
-    times (:func:`timed_rounds`)."""
-    times = timed_rounds(workload, runs, sizes, device, steps, warmup)
-    return [batch / statistics.median(t) for (_, batch), t in zip(runs, times, strict=True)]
-
-
-def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str,
-                 steps: int = 5, warmup: int = 2,
-                 backend: str = "inductor") -> list[list[float]]:
-    """Step times of each (level, batch[, compiled]), one list per run: every run gets its own
-    model (same seed; under ``torch.compile`` where ``compiled`` is true) and ``warmup``
-    untimed steps, then the timed steps are taken in rounds, one
-    step of each run per round, so drift in the machine's speed (other work, a warming
-    allocator) falls on all runs alike."""
-    cuda = device.startswith("cuda")
-
-    def sync() -> None:
-        if cuda:  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize(device)
-
-    states = []
-    for level, batch, *compiled in runs:
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = prepare(workload, get_config(level), workload.model(**sizes))
-            opt = workload.optimizer(model.parameters())
-            inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
-        if compiled and compiled[0]:  # (its first steps, the warm-up, compile it)
-            model = torch.compile(model, backend=backend)
-        states.append((get_config(level), model, opt, inputs, targets))
-
-    scaler = precision_scaler(workload.precision, device.split(":")[0])
-
-    def step(config, model, opt, inputs, targets) -> float:
-        sync()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with actune.compressed(config.run_level), config.saving(device):
-            loss = workload.step_loss(model, inputs, targets)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:  # 16-mixed: as Lightning's precision plugin steps
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        sync()
-        return time.perf_counter() - t0
-
-    with warnings.catch_warnings():  # (torch warns of the fusing module hooks once compiled)
-        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when")
-        for state in states:
-            for _ in range(warmup):
-                step(*state)
-        times: list[list[float]] = [[] for _ in states]
-        for _ in range(steps):
-            for i, state in enumerate(states):
-                times[i].append(step(*state))
-    return times
-
-
-def _round_ratios(base: list[float], times: list[float]) -> tuple[float, float, float]:
-    """The per-round speed ratios (``base``'s step time over this run's, one pair per round):
-    their median (the "vs L0" figure) and the middle half around it, both ends under four
-    rounds (the run's own spread of that figure)."""
-    ratios = sorted(b / t for b, t in zip(base, times, strict=True))
-    middle = statistics.median(ratios)
-    if len(ratios) < 4:
-        return ratios[0], middle, ratios[-1]
-    q = statistics.quantiles(ratios, n=4, method="inclusive")
-    return q[0], middle, q[2]
-
-
-def bench(workload: Workload, levels: list, settings: Settings, *, batch: int | None,
-          at_max: bool = False, sizes: dict | None = None, steps: int = 5, warmup: int = 2,
-          multiple_of: int = 1, answer: bool = False, on_probe: Callable | None = None,
-          on_level: Callable[[Report], None] | None = None, compile: bool = False,
-          compile_backend: str = "inductor") -> Report:
-    """Throughput and memory per level at one batch (or each level's own max batch). With
-    ``answer`` (an estimate, one batch for all): also the largest batch at L0 and at L3 under
-    the budget, estimated (``report.answer``). With ``compile`` (one batch for all): each
-    level's step under ``torch.compile`` too, timed in the same rounds (speed only)."""
-    sizes = sizes or {}
-    report = Report("bench", workload.name, settings.device_name, settings.budget.bytes,
-                    settings.budget.source, settings.mode, "batch", dict(sizes),
-                    precision=workload.precision, **settings.report_fields)
-    if batch and levels:  # one untimed step first: thread pools, allocator and kernels warm up
-        throughput(workload, levels[-1], batch, sizes, settings.device, steps=1, warmup=1)
-    levels = [get_config(lv) for lv in levels]
-    pending: list[tuple[LevelResult, Config]] = []
-    for level in levels:
-        trial = Trial(workload, level, sizes, settings.mode, settings.device, settings.round_to)
-        used = batch
-        probes: list[dict] = []
-        if at_max:
-            found = largest_fitting(lambda n, t=trial: t.probe(n, settings.budget.bytes),
-                                    start=8, step=multiple_of,
-                                    budget=settings.search_budget,
-                                    on_probe=_reporter(on_probe, level))
-            used, probes = found.value, _probes(found.probes)
-        level, blocks = _choose_blocks(workload, level, settings, used,
-                                       lambda value: (sizes, value))
-        if level.whole:  # (the configuration timed: the blocks maxbatch would choose there)
-            trial = Trial(workload, level, sizes, settings.mode, settings.device,
-                          settings.round_to)
-            if at_max:  # its own largest batch, from the one found with every block
-                found = largest_fitting(lambda n, t=trial: t.probe(n, settings.budget.bytes),
-                                        start=used, step=multiple_of,
-                                        budget=settings.search_budget,
-                                        on_probe=_reporter(on_probe, level))
-                used, probes = found.value, probes + _probes(found.probes)
-        row = _row(level, used, probes=probes,
-                   note="; ".join(n for n in (
-                       _note(level, settings, real_steps=True),
-                       describe_whole(level.whole, blocks) if level.whole and blocks else "")
-                       if n))
-        if used:
-            _fill(row, trial.peak(used), level)
-        # each level at the edge of the budget, or one that empties the CUDA allocator's cache
-        # after its forward pass (which would slow whichever level runs next): timed alone
-        alone = at_max or (level.level.defrag and settings.device.startswith("cuda"))
-        if used and alone:
-            row.samples_per_s = throughput(workload, level, used, sizes, settings.device,
-                                           steps, warmup)
-        if alone or not used:
-            _add(report, row, on_level)
-        else:
-            pending.append((row, level))
-    if pending:  # one batch for all: their steps are timed in interleaved rounds
-        if compile:
-            pending += [(LevelResult(f"{row.level} compiled", row.value, compiled=True,
-                                     base_level=row.base_level,
-                                     note="torch.compile: speed only (docs/training.md)"),
-                         level) for row, level in pending]
-        times = timed_rounds(workload, [(level, row.value, True) if row.compiled
-                                        else (level, row.value) for row, level in pending], sizes,
-                             settings.device, steps, warmup, compile_backend)
-        base = next((t for (row, _), t in zip(pending, times, strict=True)
-                     if row.level == "L0"), None)
-        for (row, _), t in zip(pending, times, strict=True):
-            row.samples_per_s = row.value / statistics.median(t)
-            if base is not None and row.level != "L0":
-                low, row.round_ratio, high = _round_ratios(base, t)
-                row.ratio_spread = [low, high]
-            _add(report, row, on_level)
-        order = {lv.name: i for i, lv in enumerate(levels)}
-        order.update({f"{name} compiled": i + len(order) for name, i in list(order.items())})
-        if [r.level for r in report.levels] != sorted(order, key=order.get):
-            report.levels.sort(key=lambda r: order[r.level])  # back in the order asked for
-            if on_level:
-                on_level(report)
-    if at_max:  # each level at its own max batch: name the fastest
-        report.choose_best()
-        if on_level:
-            on_level(report)
-    elif answer and settings.mode == "estimate":
-        started = time.perf_counter()
-        found = maxbatch(workload, ["L0", "L3"], settings, sizes=sizes, multiple_of=multiple_of)
-        report.answer = {**{r.level: r.value for r in found.levels},
-                         "seconds": time.perf_counter() - started}
-        if on_level:
-            on_level(report)
-    return report

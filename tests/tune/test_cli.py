@@ -102,7 +102,7 @@ def test_scale_depth_and_the_error_for_a_missing_dimension(tmp_path):
 def test_a_speed_ratio_lies_inside_its_own_spread():
     """Rounds where the ratio of the median times (0.67) falls outside the per-round ratios'
     middle half (0.75-1.0): the figure shown is their median (1.0), inside it."""
-    from actune.tune.run import _round_ratios
+    from actune.tune.bench import _round_ratios
 
     base, times = [3.0, 1.0, 4.0, 2.0, 2.0], [4.0, 1.0, 4.0, 3.0, 2.0]
     assert statistics.median(base) / statistics.median(times) == pytest.approx(2 / 3)
@@ -157,12 +157,12 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(args, message):
 @pytest.mark.parametrize("option", ["--json", "--plot"])
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch,
                                                                          option):
-    from actune.tune import run as tune_run
+    from actune.tune import bench as tune_bench
 
     def no_work(*args, **kwargs):
         raise AssertionError("the job ran")
 
-    monkeypatch.setattr(tune_run, "bench", no_work)
+    monkeypatch.setattr(tune_bench, "bench", no_work)
     a_file = tmp_path / "notes.txt"
     a_file.write_text("kept")
     for path, message in ((tmp_path, "is a folder; give a file in it"),
@@ -218,12 +218,12 @@ def test_json_of_finished_levels_survives_an_interrupt(tmp_path, monkeypatch):
 
 
 def test_an_interrupt_before_any_level_finished_says_nothing_was_kept(tmp_path, monkeypatch):
-    from actune.tune import run as tune_run
+    from actune.tune import bench as tune_bench
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tune_run, "throughputs", interrupted)  # bench times levels together
+    monkeypatch.setattr(tune_bench, "throughputs", interrupted)  # bench times levels together
     out = tmp_path / "bench.json"
     result = run("bench", "--model", "tinycnn", "--levels", "L0,L3", "--batch", "8",
                  "--json", str(out))
@@ -437,7 +437,7 @@ def test_bench_keeps_a_model_files_own_resolution_unless_one_is_given(tmp_path):
 
 
 def test_maxbatch_plot_draws_each_level_up_to_its_own_max_batch(tmp_path, monkeypatch):
-    from actune.tune import run as tune_run
+    from actune.tune import bench as tune_bench
 
     timed = []
 
@@ -445,7 +445,7 @@ def test_maxbatch_plot_draws_each_level_up_to_its_own_max_batch(tmp_path, monkey
         timed.append((level.name, batch))
         return 100.0 + batch
 
-    monkeypatch.setattr(tune_run, "throughput", throughput)
+    monkeypatch.setattr(tune_bench, "throughput", throughput)
     png, out = tmp_path / "curves.png", tmp_path / "r.json"
     result = run("maxbatch", "--model", "tinycnn", "--budget", "64MiB", "--levels", "L0,L3",
                  "--plot", str(png), "--json", str(out))

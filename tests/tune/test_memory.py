@@ -98,7 +98,7 @@ def test_bench_times_levels_in_interleaved_rounds(monkeypatch):
     """Each level gets its warm-up steps, then the timed steps alternate between levels, so a
     machine that speeds up or slows down during the run shifts every level alike."""
     import actune
-    from actune.tune.run import throughputs
+    from actune.tune.bench import throughputs
 
     seen = []
     original = actune.compressed
@@ -119,16 +119,16 @@ def test_bench_times_a_cache_emptying_level_alone_on_a_gpu_and_keeps_the_order(m
     level timed after it: on a GPU it is timed alone, the rest interleaved, and the report
     keeps the order asked for."""
     from actune.memory.budget import Budget
-    from actune.tune import run
+    from actune.tune import bench, run
 
     alone, together = [], []
-    monkeypatch.setattr(run, "throughput", lambda wl, level, *a, **k: alone.append(level.name)
+    monkeypatch.setattr(bench, "throughput", lambda wl, level, *a, **k: alone.append(level.name)
                         or 100.0)
-    monkeypatch.setattr(run, "timed_rounds", lambda wl, runs, *a, **k: together.append(
+    monkeypatch.setattr(bench, "timed_rounds", lambda wl, runs, *a, **k: together.append(
         [lv.name for lv, _ in runs]) or [[0.0625]] * len(runs))  # (batch 4: 64 samples/s)
     settings = run.Settings(Budget(16 << 30, "test"), mode="estimate", device="cuda")
     levels = [LEVELS["L0"], LEVELS["L5"], LEVELS["L3"]]
-    report = run.bench(builtin("tinycnn"), levels, settings, batch=4)
+    report = bench.bench(builtin("tinycnn"), levels, settings, batch=4)
     assert alone == ["L3", "L5"]  # the warm-up step (last level), then L5 on its own
     assert together == [["L0", "L3"]]
     assert [r.level for r in report.levels] == ["L0", "L5", "L3"]
