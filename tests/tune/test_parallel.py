@@ -193,7 +193,7 @@ def test_an_interrupt_while_a_row_measures_its_peak_keeps_the_answer():
     """A Ctrl-C that reaches a search as it ends, while it measures the peak at its answer,
     leaves the row with its answer, marked incomplete, instead of losing it."""
     config = parse_configs("L3")[0]
-    row = run._row(config, 96, probes=[{"size": 96, "fits": True, "peak": 1}], complete=True)
+    row = run.new_row(config, 96, probes=[{"size": 96, "fits": True, "peak": 1}], complete=True)
 
     def interrupted():
         raise KeyboardInterrupt
