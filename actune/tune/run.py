@@ -84,6 +84,7 @@ class Settings:
 
 
 def level_note(config: Config, settings: Settings, real_steps: bool = False) -> str:
+    """A level's note in the report: what its device cannot do (offload on a CPU)."""
     if config.offloads and torch.device(settings.device).type != "cuda":
         if settings.mode == "estimate" and not real_steps:
             return "offload simulated"
@@ -128,16 +129,19 @@ def fill_peak(row: LevelResult, peak, config: Config) -> None:
 
 
 def probe_reporter(on_probe: Callable | None, config: Config) -> Callable[[Probe], None] | None:
+    """``on_probe`` bound to ``config`` (None without one)."""
     return (lambda p: on_probe(config, p)) if on_probe else None
 
 
 def new_row(config: Config, value, **fields) -> LevelResult:
+    """A report row for ``config``'s answer ``value``."""
     return LevelResult(config.name, value, base_level=config.level.name,
                        checkpoint=config.checkpoint, offload=config.offload,
                        whole_blocks=list(config.whole), **fields)
 
 
 def probe_dicts(probes: list[Probe]) -> list[dict]:
+    """A search's trials as the report's JSON keeps them."""
     return [{"size": p.size, "fits": p.fits, "peak": p.peak} for p in probes]
 
 
