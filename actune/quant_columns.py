@@ -101,12 +101,20 @@ def dequantize_by_feature(p: PackedTensor) -> torch.Tensor:
         host = dataclasses.replace(p, codes=codes.cpu(), meta=p.meta.cpu())
         return dequantize_by_feature(host).to(codes.device)
     work = p.dtype if p.dtype in _KERNEL_DTYPES else torch.float32
-    out = _empty_cpu(p.numel(), work)
+    out = _unpack_into(p, _empty_cpu(p.numel(), work))
+    return out.view(p.shape) if work == p.dtype else out.view(p.shape).to(p.dtype)
+
+
+def _unpack_into(p: PackedTensor, out: torch.Tensor,
+                 times: torch.Tensor | None = None) -> torch.Tensor:
+    """The column kernel unpacking CPU ``p`` into contiguous ``out`` (its dtype, one the
+    kernels write), each value times ``times``' (same shape and dtype) if given."""
     width = p.shape[-1]
     _column_kernels().unpack_columns_at(
-        codes.contiguous().data_ptr(), p.meta.contiguous().data_ptr(), p.bits, p.group_size,
-        out.data_ptr(), p.numel() // width, width, _NUMPY_DTYPES[work], p.zero_code)
-    return out.view(p.shape) if work == p.dtype else out.view(p.shape).to(p.dtype)
+        p.codes.contiguous().data_ptr(), p.meta.contiguous().data_ptr(), p.bits,
+        p.group_size, out.data_ptr(), p.numel() // width, width, _NUMPY_DTYPES[out.dtype],
+        p.zero_code, 0 if times is None else times.data_ptr())
+    return out
 
 
 def folds_products(p: object) -> bool:
@@ -122,7 +130,6 @@ def dequantize_times(p: PackedTensor, other: torch.Tensor,
     no dequantized copy), written into ``out`` if given (it may be ``other``); None where
     ``p`` is not in the column layout on the CPU or the operands' shape, dtype or layout
     differ from the value's (the caller multiplies a dequantized copy then)."""
-    codes = p.codes
     if (not folds_products(p)
             or any(t is not None and (type(t) is not torch.Tensor or t.shape != p.shape
                                       or t.dtype != p.dtype or not t.is_contiguous()
@@ -130,9 +137,4 @@ def dequantize_times(p: PackedTensor, other: torch.Tensor,
         return None
     if out is None:
         out = _empty_cpu(p.numel(), p.dtype).view(p.shape)
-    width = p.shape[-1]
-    _column_kernels().unpack_columns_at(
-        codes.contiguous().data_ptr(), p.meta.contiguous().data_ptr(), p.bits, p.group_size,
-        out.data_ptr(), p.numel() // width, width, _NUMPY_DTYPES[p.dtype], p.zero_code,
-        other.data_ptr())
-    return out
+    return _unpack_into(p, out, other)

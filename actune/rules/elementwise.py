@@ -133,10 +133,8 @@ def _times(grad: torch.Tensor, saved) -> torch.Tensor:
     """``grad`` times a packed operand: folded into its unpack where the kernels can
     (:meth:`~actune.saved.Saved.times`), else written over its dequantized copy where the
     dtypes agree and nothing else holds that copy (one temporary less)."""
-    if saved.folds():
+    if saved.folds() or saved.held:  # (held: dequantized already, for the other reader)
         return saved.times(grad)
-    if saved.held:  # (dequantized already, for the product's other reader)
-        return grad * saved.get()
     value = saved.fresh()
     return value.mul_(grad) if value.dtype == grad.dtype and value.shape == grad.shape \
         else grad * value
