@@ -9,12 +9,15 @@ past ``R`` in the last block are padding (code 0). Every loop runs along the fea
 contiguous in memory: the per-feature minimum and maximum are vector min/max down the rows,
 and codes and values take their feature's ``lo`` and step from small arrays.
 
-Each parallel task takes one row block by ``_FEATURES`` features. (No serial variant, as
+Each parallel task takes one row block by a run of its features (:func:`task_features`: the
+whole block where there are enough blocks for the threads). (No serial variant, as
 :mod:`.cpu` has for small tensors: the tensors packed by feature are layers' inputs, large,
 and a second compilation of these kernels would double their first-use cost.)
 """
 
 from __future__ import annotations
+
+import functools
 
 import numba
 import numpy as np
@@ -31,8 +34,12 @@ _stream_key = SCALAR.stream_key
 _random24 = SCALAR.random24
 _U32 = np.uint32
 _U64 = np.uint64
-#: Features a parallel task takes (a multiple of 8: its codes start on a byte at any width).
-_FEATURES = 64
+#: The most features a parallel task takes: a task's rows run longer the more it takes
+#: (1,024 x 680 values at 4 bits: pack 0.77x, unpack 0.41x-0.70x the time of 64 features a
+#: task; docs/benchmarks.md).
+MAX_TASK_FEATURES = 1024
+#: Tasks wanted per thread, where the row blocks alone are fewer.
+TASKS_PER_THREAD = 2
 _jit = numba.njit(cache=True, nogil=True)
 
 
@@ -47,6 +54,24 @@ def _cached(fn, name: str):
 def column_groups(rows_total: int, features: int, rows: int) -> int:
     """Groups of an ``[rows_total, features]`` tensor in blocks of ``rows`` rows."""
     return -(-rows_total // rows) * features
+
+
+def task_features(total: int, width: int, rows: int, threads: int) -> int:
+    """Features a parallel task takes (a multiple of 8, so its codes start on a byte at any
+    width): a whole row block, in as few runs as keep ``threads`` busy with
+    :data:`TASKS_PER_THREAD` tasks each, at most :data:`MAX_TASK_FEATURES`. The split sets
+    only which thread writes what: the bytes are the same for any."""
+    blocks = -(-total // rows)
+    runs = max(-(-width // MAX_TASK_FEATURES), -(-TASKS_PER_THREAD * threads // blocks))
+    return min(width, max(8, (-(-width // runs) + 7) // 8 * 8))
+
+
+@functools.lru_cache(maxsize=512)
+def _features_of(total: int, width: int, rows: int) -> int:
+    """:func:`task_features` for Numba's threads when a shape is first seen (reading the
+    count costs more than a small tensor's kernel saves; a later change of it alters only
+    the split, never the bytes)."""
+    return task_features(total, width, rows, numba.get_num_threads())
 
 
 def column_codes_nbytes(rows_total: int, features: int, rows: int, bits: int) -> int:
@@ -217,18 +242,18 @@ def _task_at(bits, x, words, total, width, rows, b, f0, f1, codes, meta, magnitu
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _pack_columns(x_at, total, width, like, magnitude, inf_key, codes_at, meta_at, bits, rows,
-                  seed, base0, stochastic, zero_code):  # pragma: no cover - jitted
+                  seed, base0, stochastic, zero_code, features):  # pragma: no cover - jitted
     n = total * width
     x = numba.carray(_pointer(x_at, like), n)
     words = numba.carray(_pointer(x_at, magnitude), n)
     blocks = (total + rows - 1) // rows
     codes = numba.carray(_pointer(codes_at, np.uint8(0)), blocks * rows * width * bits // 8)
     meta = numba.carray(_pointer(meta_at, np.uint16(0)), (blocks * width, 2))
-    chunks = (width + _FEATURES - 1) // _FEATURES
+    chunks = (width + features - 1) // features
     for task in prange(blocks * chunks):
         b = task // chunks
-        f0 = (task - b * chunks) * _FEATURES
-        _task_at(bits, x, words, total, width, rows, b, f0, min(f0 + _FEATURES, width), codes,
+        f0 = (task - b * chunks) * features
+        _task_at(bits, x, words, total, width, rows, b, f0, min(f0 + features, width), codes,
                  meta, magnitude, inf_key, seed, base0, stochastic, zero_code)
 
 
@@ -302,7 +327,7 @@ def _unpack_rows_at(bits, codes, y, lo, scale, r0, r1, width, f0, nf, zero_code,
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _unpack_columns(codes_at, meta_at, bits, rows, zero_code, out_at, total, width, like,
-                    times_at):  # pragma: no cover - jitted
+                    times_at, features):  # pragma: no cover - jitted
     n = total * width
     y = numba.carray(_pointer(out_at, like), n)
     blocks = (total + rows - 1) // rows
@@ -310,11 +335,11 @@ def _unpack_columns(codes_at, meta_at, bits, rows, zero_code, out_at, total, wid
     meta = numba.carray(_pointer(meta_at, np.uint16(0)), (blocks * width, 2))
     other = numba.carray(_pointer(times_at if times_at else out_at, like), n)  # (0: unread)
     t = y.dtype.type
-    chunks = (width + _FEATURES - 1) // _FEATURES
+    chunks = (width + features - 1) // features
     for task in prange(blocks * chunks):
         b = task // chunks
-        f0 = (task - b * chunks) * _FEATURES
-        f1 = min(f0 + _FEATURES, width)
+        f0 = (task - b * chunks) * features
+        f1 = min(f0 + features, width)
         nf = f1 - f0
         lo = np.empty(nf, y.dtype)
         scale = np.empty(nf, y.dtype)
@@ -328,27 +353,31 @@ def _unpack_columns(codes_at, meta_at, bits, rows, zero_code, out_at, total, wid
 
 def pack_columns_at(x_at: int, total: int, width: int, dtype: np.dtype, codes_at: int,
                     meta_at: int, bits: int, rows: int, seed: int, stochastic: bool = True,
-                    zero_code: bool = False, base: int = 0) -> None:
+                    zero_code: bool = False, base: int = 0, features: int = 0) -> None:
     """Pack the row-major ``[total, width]`` values of ``dtype`` at ``x_at`` (``width`` a
     multiple of 8) in groups of ``rows`` rows by one feature: the codes (memory order,
     :func:`column_codes_nbytes` bytes) at ``codes_at``, the metadata (``[blocks * width, 2]``
-    uint16, block-major) at ``meta_at``; ``base``: the stream index of the first element.
-    The caller vouches for the buffers, as for :func:`actune_kernels.cpu.pack_at`."""
+    uint16, block-major) at ``meta_at``; ``base``: the stream index of the first element;
+    ``features``: a task's features (0: :func:`task_features`; the bytes are the same for
+    any multiple of 8). The caller vouches for the buffers, as for
+    :func:`actune_kernels.cpu.pack_at`."""
     if width % 8:
         raise ValueError(f"the column layout needs a multiple of 8 features, got {width}")
     if total * width:
         _, magnitude, inf_key = _BITS[dtype]
         _pack_columns(x_at, total, width, _LIKE[dtype], magnitude, inf_key, codes_at,
-                      meta_at, bits, rows, seed, base, bool(stochastic), bool(zero_code))
+                      meta_at, bits, rows, seed, base, bool(stochastic), bool(zero_code),
+                      features or _features_of(total, width, rows))
 
 
 def unpack_columns_at(codes_at: int, meta_at: int, bits: int, rows: int, out_at: int,
                       total: int, width: int, dtype: np.dtype, zero_code: bool = False,
-                      times_at: int = 0) -> None:
+                      times_at: int = 0, features: int = 0) -> None:
     """The inverse of :func:`pack_columns_at`: the row-major ``[total, width]`` values at
     ``out_at``; with ``times_at`` (the address of ``total * width`` values of ``dtype`` in the
     same order, which may be ``out_at``) each value multiplied by its own there as it is
-    written, in place of a pass over a dequantized copy."""
+    written, in place of a pass over a dequantized copy; ``features`` as there."""
     if total * width:
         _unpack_columns(codes_at, meta_at, bits, rows, bool(zero_code), out_at, total,
-                        width, _LIKE[dtype], times_at)
+                        width, _LIKE[dtype], times_at,
+                        features or _features_of(total, width, rows))

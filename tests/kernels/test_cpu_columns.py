@@ -82,3 +82,32 @@ def test_each_feature_keeps_its_own_step():
 def test_width_must_be_a_multiple_of_eight():
     with pytest.raises(ValueError, match="multiple of 8 features"):
         cc.pack_columns_at(0, 4, 12, np.dtype(np.float32), 0, 0, 2, 256, 0)
+
+
+@pytest.mark.parametrize("features", [8, 24, 64, 1024])
+def test_any_task_split_writes_the_same_bytes(features):
+    """The features a parallel task takes set only which thread writes what."""
+    x = np.random.default_rng(3).standard_normal((300, 136)).astype(np.float32)
+    want_codes, want_meta = pack(x, 4, 128, 11, True, False, 0)
+    codes = np.empty_like(want_codes)
+    meta = np.empty_like(want_meta)
+    cc.pack_columns_at(x.ctypes.data, 300, 136, x.dtype, codes.ctypes.data, meta.ctypes.data,
+                       4, 128, 11, features=features)
+    assert np.array_equal(codes, want_codes) and np.array_equal(meta, want_meta)
+    want = ref.unpack_columns(codes, meta, 4, 300, 136, 128, np.float32)
+    y = np.empty_like(x)
+    cc.unpack_columns_at(codes.ctypes.data, meta.ctypes.data, 4, 128, y.ctypes.data, 300, 136,
+                         y.dtype, features=features)
+    assert np.array_equal(y, want)
+
+
+@pytest.mark.parametrize(("shape", "threads", "want"), [
+    ((1024, 680, 256), 2, 680),    # four row blocks: a whole block each
+    ((256, 2048, 256), 2, 512),    # one block: split for two tasks a thread
+    ((4096, 2048, 256), 2, 1024),  # at most MAX_TASK_FEATURES
+    ((8, 256, 8), 16, 8),          # many threads, one block: runs of 8 features at least
+    ((16, 8, 16), 4, 8),
+])
+def test_task_features(shape, threads, want):
+    got = cc.task_features(*shape, threads)
+    assert got == want and got % 8 == 0
