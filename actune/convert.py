@@ -21,7 +21,7 @@ from torch import nn
 from actune.autoprec import AutoPrecision
 from actune.families import default_level
 from actune.fused import FUSED, class_name, fused_of
-from actune.hooks import compressed, shared_cache
+from actune.hooks import active_level, compressed, shared_cache
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
 from actune.traced import TracedMode, traced
@@ -65,7 +65,17 @@ _KEPT_EXACT: dict[type[nn.Module], str] = {
 _COUNTERPARTS: dict[type[nn.Module], type[nn.Module]] = {}
 
 
+def _inside_own_level(module: nn.Module) -> bool:
+    """Eager, and already inside a :func:`compressed` block at the module's own level (the
+    model's forward, which a converted model runs under its level): a block of its own would
+    change nothing, and entering one costs about as much as a small layer's packing."""
+    return (not torch.compiler.is_compiling()
+            and active_level() is module.__dict__.get(_LEVEL_ATTR))
+
+
 def _compressed_forward(self, *args, **kwargs):
+    if _inside_own_level(self):
+        return super(type(self), self).forward(*args, **kwargs)
     if traced():  # traced rules: packs inside the compiled graphs
         with TracedMode(getattr(self, _LEVEL_ATTR)):
             return super(type(self), self).forward(*args, **kwargs)
@@ -75,6 +85,9 @@ def _compressed_forward(self, *args, **kwargs):
 def _fused_forward(self, x, *args, **kwargs):
     if args or kwargs or not isinstance(x, torch.Tensor):
         return _compressed_forward(self, x, *args, **kwargs)
+    if _inside_own_level(self):
+        out = fused_of(_base_class(self))(self, x)
+        return super(type(self), self).forward(x) if out is None else out
     if traced():
         with TracedMode(getattr(self, _LEVEL_ATTR)):
             out = fused_of(_base_class(self))(self, x)

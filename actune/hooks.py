@@ -60,7 +60,8 @@ from actune.rules import op_name
 from actune.saved import Derived, Saved, feature_major, row_statistic
 from actune.traced.pack import group_statistic, packed_origin
 
-__all__ = ["CompressionStats", "allow_overwrite", "compressed", "feature_major", "shared_cache"]
+__all__ = ["CompressionStats", "active_level", "allow_overwrite", "compressed", "feature_major",
+           "shared_cache"]
 
 
 # Which ops' saved tensors are quantized, and with which of the level's bit widths.
@@ -641,6 +642,12 @@ def _session() -> _Session:
     if s is None:
         s = _local.session = _Session()
     return s
+
+
+def active_level() -> Level | None:
+    """The level of this thread's innermost open :func:`compressed` block (None outside)."""
+    s = getattr(_local, "session", None)
+    return s.levels[-1] if s is not None and s.levels else None
 
 
 def allow_overwrite(t: torch.Tensor) -> torch.Tensor:

@@ -393,6 +393,28 @@ def test_compress_twice_then_decompress_restores_plain_layers():
     assert not is_compressed(model)
 
 
+def test_layers_inside_the_models_forward_enter_no_block_of_their_own(monkeypatch):
+    """The model's forward runs under its level: its converted layers run their own code
+    straight away (a block each would change nothing); a layer called alone, or under another
+    level, still opens its own."""
+    import actune.convert as convert
+
+    calls = []
+    real = convert._eager_forward
+    monkeypatch.setattr(convert, "_eager_forward",
+                        lambda m, *a, **k: calls.append(type(m).__name__) or real(m, *a, **k))
+    torch.manual_seed(0)
+    model = compress(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), "L2")
+    x = torch.randn(32, 64, requires_grad=True)
+    model(x).sum().backward()
+    assert calls == []
+    model[0](x).sum().backward()
+    assert calls == ["CompressedLinear"]
+    with actune.compressed("L3"):
+        model[2](x).sum().backward()
+    assert calls == ["CompressedLinear", "CompressedLinear"]
+
+
 def test_compress_before_or_after_to_and_trains():
     model, inputs, loss_fn = cnn_case()
     compress(model, "L3").to(torch.float64)
