@@ -2,22 +2,22 @@
 
 Each keeps, for backward, something smaller than what PyTorch's own op saves, and still
 exact or unbiased (see docs/training.md): ReLU's output packed with exact zeros, 1-bit masks,
-max pooling's argmax offsets, an activation's derivative instead of its input, softmax's two
-independently rounded copies; and the ordered convolution backward, which needs one
-activation-sized tensor at a time. The function mode in :mod:`actune.hooks` decides which op
-runs through which function.
+max pooling's argmax offsets (:mod:`actune.max_pool_offsets`), an activation's derivative
+instead of its input, softmax's two independently rounded copies; and the ordered
+convolution backward, which needs one activation-sized tensor at a time, as the lean batch
+norm's (:mod:`actune.lean_batch_norm`) needs two. The function mode in :mod:`actune.hooks`
+decides which op runs through which function.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
 
+from actune.lean_batch_norm import LeanBatchNorm
+from actune.max_pool_offsets import OffsetMaxPool, indices_from_offsets, window_offsets
 from actune.random_masks import drawn_here, keep_mask
-from actune.saved import Saved, check_double_backward, take
+from actune.saved import check_double_backward, take
 
 __all__ = ["LEAN_NUMEL", "LeanBatchNorm", "MaskedDropout", "MaskedLinear", "OffsetMaxPool",
            "OrderedConv", "PackedLogSoftmax", "PackedReLU", "SavedDerivative", "TwoCopySoftmax",
@@ -101,130 +101,6 @@ class OrderedConv(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
-class LeanBatchNorm(torch.autograd.Function):
-    """Batch norm in training mode whose backward needs two activation-sized tensors, not
-    three, and whose forward may write its result over its input.
-
-    PyTorch's backward holds the output gradient, the dequantized input and the input
-    gradient together. This one computes the per-channel sums first (in slices of the batch)
-    and then writes the input gradient over the dequantized input, a fresh copy that nothing
-    else reads. With ``overwrite`` (the input is a convolution's output that nothing else reads,
-    see :func:`actune.inplace.allow_inplace_norms`) the forward packs its input and then
-    writes its result over it, so input and output are never alive together. ``save`` packs
-    the input (the hooks' own packing: bits, sharing, offload) and returns what backward
-    reads; when that is the input itself (kept as it is), the input is not overwritten."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, overwrite,
-                save):
-        count = x.numel() // x.shape[1]
-        if isinstance(x, FakeTensor):  # an estimate: the same allocations, no arithmetic
-            mean, invstd = _fake_moments(x)  # (running statistics change in place: no bytes)
-            scale, shift = torch.empty_like(mean), torch.empty_like(mean)
-        else:
-            var, mean = _channel_moments(x)
-            invstd = (var + eps).rsqrt()
-            if running_mean is not None:
-                running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-            if running_var is not None:
-                running_var.mul_(1 - momentum).add_(var, alpha=momentum * count
-                                                    / max(count - 1, 1))
-            scale = invstd if weight is None else invstd * weight
-            shift = -mean * scale if bias is None else bias - mean * scale
-        ctx.x = save(x)
-        ctx.stats = (mean, invstd, count)
-        ctx.save_for_backward(weight)
-        if overwrite and ctx.x is not x:
-            ctx.mark_dirty(x)
-            return x.mul_(_per_channel(scale, x)).add_(_per_channel(shift, x))
-        return torch.addcmul(_per_channel(shift, x), x, _per_channel(scale, x))
-
-    @staticmethod
-    def backward(ctx, grad):
-        check_double_backward()
-        (weight,) = ctx.saved_tensors
-        mean, invstd, count = ctx.stats
-        saved = take(ctx, "x")
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x = saved.fresh() if isinstance(saved, Saved) else saved.clone()
-        if isinstance(x, FakeTensor):  # an estimate: the same allocations, no arithmetic
-            return _fake_norm_backward(x, need_x, need_w, need_b)
-        gw, gb = _channel_sums(grad, x, mean, invstd, weight)  # sum(grad * x_hat), sum(grad)
-        # grad_x = k (grad - gb / M - x_hat gw / M), k = weight * invstd, as a*x + b + k*grad
-        k = invstd if weight is None else invstd * weight
-        a = -k * invstd * gw / count
-        b = -a * mean - k * gb / count
-        gx = None
-        if need_x:
-            gx = x.mul_(_per_channel(a, x)).add_(_per_channel(b, x)).addcmul_(
-                grad, _per_channel(k, x))
-        del x
-        return gx, gw if need_w else None, gb if need_b else None, None, None, None, None, \
-            None, None
-
-
-def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Per-channel values ``v`` shaped to broadcast over ``x`` (channels in dimension 1)."""
-    return v.view([1, -1] + [1] * (x.dim() - 2))
-
-
-def _channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per channel (dimension 1) biased variance and mean: a first mean, then the sums and
-    squares of the deviations from it in eighths of the batch, which correct it (an
-    eighth-sized temporary; on the CPU over ten times faster than ``torch.var_mean`` across
-    the batch and spatial dimensions, as accurate). On fake tensors (estimates) two eighths
-    stand for all: the same temporaries alive, a quarter of the operations."""
-    dims = [0, *range(2, x.dim())]
-    count = x.numel() // x.shape[1]
-    first = x.sum(dims) / count
-    centre = _per_channel(first, x)
-    shift = squares = 0
-    for part in x.chunk(8)[:2] if isinstance(x, FakeTensor) else x.chunk(8):
-        deviation = torch.sub(part, centre)
-        shift = shift + deviation.sum(dims)
-        squares = squares + deviation.square_().sum(dims)
-    shift = shift / count
-    return squares / count - shift.square(), first + shift
-
-
-def _fake_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What :func:`_channel_moments` allocates, on fake tensors: two deviations of an eighth
-    of the batch alive at once (the loop's next one is made before the last is freed), then
-    two per-channel results."""
-    eighth = (-(-x.shape[0] // 8), *x.shape[1:])  # (the bytes are what count: any layout)
-    deviations = [x.new_empty(eighth), x.new_empty(eighth)]
-    del deviations
-    return x.new_empty(x.shape[1]), x.new_empty(x.shape[1])
-
-
-def _fake_norm_backward(x: torch.Tensor, need_x: bool, need_w: bool, need_b: bool) -> tuple:
-    """:class:`LeanBatchNorm`'s backward on fake tensors: the per-channel sums with the
-    eighth-sized temporary the estimate counts for them (see :func:`_channel_sums`), and the
-    input gradient written over ``x``."""
-    temporary = x.new_empty((-(-x.shape[0] // 8), *x.shape[1:]))
-    del temporary
-    gw, gb = x.new_empty(x.shape[1]), x.new_empty(x.shape[1])
-    return (x if need_x else None, gw if need_w else None, gb if need_b else None,
-            None, None, None, None, None, None)
-
-
-def _channel_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
-                  invstd: torch.Tensor, weight: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per channel ``sum(grad * x_hat)`` and ``sum(grad)`` without an activation-sized
-    temporary: PyTorch's batch norm backward asked for the parameter gradients alone (one
-    fused pass) on real tensors; on fake ones (estimates), whose version of that op returns
-    an input gradient anyway, the sums over two eighths of the batch, which hold the
-    temporaries all eight would (the estimate errs by at most an eighth, upwards)."""
-    if not isinstance(x, FakeTensor):
-        _, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            grad, x, weight, None, None, mean, invstd, True, 0.0, [False, True, True])
-        return gw, gb
-    dims = [0, *range(2, x.dim())]
-    centred = _per_channel(mean, x)  # shapes, and the temporary of one eighth the chunks hold
-    dot = sum(torch.sub(part, centred).mul_(g).sum(dims)
-              for g, part in zip(grad.chunk(8)[:2], x.chunk(8)[:2], strict=True))
-    return dot * invstd, grad.sum(dims)
 
 
 #: Convolutions whose input has fewer elements run PyTorch's own backward (and smaller batch
@@ -383,109 +259,6 @@ class PackedLogSoftmax(torch.autograd.Function):
         return out.to(ctx.in_dtype), None, None, None, None
 
 
-class OffsetMaxPool(torch.autograd.Function):
-    """Max pooling that keeps each output's argmax as an offset inside its window (uint8)
-    instead of int64 input indices; backward is PyTorch's own with the indices rebuilt."""
-
-    @staticmethod
-    def forward(ctx, x, dims, kernel, stride, padding, dilation, ceil_mode, session):
-        pool = F.max_pool2d if dims == 2 else F.max_pool3d
-        y, idx = pool(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
-        offsets, ctx.spatial = window_offsets(idx, x.shape[-dims:], kernel, stride, padding,
-                                              dilation)
-        ctx.offsets = session.pack_small_ints(offsets, "maxpool", replaces=(x, idx))
-        ctx.args = (dims, kernel, stride, padding, dilation, ceil_mode)
-        ctx.in_shape, ctx.in_dtype = x.shape, x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        check_double_backward()
-        dims, kernel, stride, padding, dilation, ceil_mode = ctx.args
-        offsets = take(ctx, "offsets").get()
-        idx = indices_from_offsets(offsets, ctx.spatial, kernel, stride, padding, dilation)
-        shape_only = torch.zeros((), dtype=ctx.in_dtype, device=grad.device).expand(ctx.in_shape)
-        backward = (torch.ops.aten.max_pool2d_with_indices_backward if dims == 2
-                    else torch.ops.aten.max_pool3d_with_indices_backward)
-        out = backward(grad, shape_only, kernel, stride, padding, dilation, ceil_mode, idx)
-        return out, None, None, None, None, None, None, None
-
-
-def _window_grid(out_shape, kernel, stride, padding):
-    grids = torch.meshgrid(*[torch.arange(n) * s - p
-                             for n, s, p in zip(out_shape, stride, padding, strict=True)],
-                           indexing="ij")
-    return grids
-
-
-def window_offsets(idx, in_spatial, kernel, stride, padding, dilation):
-    """Flat input indices -> offset inside each window (row-major over the kernel)."""
-    if _numba_pool(idx, kernel):
-        from actune_kernels import pool
-
-        planes = idx.numel() // math.prod(idx.shape[-2:])
-        out = torch.empty((planes, math.prod(idx.shape[-2:])), dtype=torch.uint8)
-        pool.offsets_2d(idx.reshape(planes, *idx.shape[-2:]).numpy(), out.numpy(),
-                        in_spatial[-1], kernel, stride, padding, dilation)
-        return out.view(idx.shape), tuple(in_spatial)
-    # Elsewhere (GPU, fake tensors, 3-d): torch operations, in place on index-sized int32
-    # buffers (at most three alive besides the indices, for 3-d pooling; two for 2-d).
-    starts = [g.to(idx.device, torch.int32)
-              for g in _window_grid(idx.shape[-len(kernel):], kernel, stride, padding)]
-    rem = idx.to(torch.int32)  # plane indices fit; int32 halves the work
-    offset = None
-    scale = 1  # window positions per step of this dimension
-    for d in reversed(range(len(kernel))):
-        if d:
-            coord = torch.remainder(rem, in_spatial[d])
-            rem.div_(in_spatial[d], rounding_mode="floor")
-        else:
-            coord = rem  # what is left is the first coordinate
-        coord.sub_(starts[d])
-        if dilation[d] != 1:
-            coord.div_(dilation[d], rounding_mode="floor")
-        if scale != 1:
-            coord.mul_(scale)
-        offset = coord if offset is None else offset.add_(coord)
-        del coord
-        scale *= kernel[d]
-    return offset.to(torch.uint8), tuple(in_spatial)
-
-
-def _numba_pool(t: torch.Tensor, kernel) -> bool:
-    """The CPU kernels handle real 2-d CPU tensors; everything else uses torch operations."""
-    return len(kernel) == 2 and type(t) is torch.Tensor and t.device.type == "cpu"
-
-
-def indices_from_offsets(offsets, in_spatial, kernel, stride, padding, dilation):
-    if _numba_pool(offsets, kernel):
-        from actune_kernels import pool
-
-        out_h, out_w = offsets.shape[-2:]
-        planes = offsets.numel() // (out_h * out_w)
-        idx = torch.empty(offsets.shape, dtype=torch.int64)
-        pool.indices_2d(offsets.reshape(planes, -1).contiguous().numpy(),
-                        idx.view(planes, -1).numpy(), in_spatial[-1], out_h, out_w, kernel,
-                        stride, padding, dilation)
-        return idx
-    # Elsewhere: torch operations, in place (one int32 buffer per pooled dimension).
-    starts = [g.to(offsets.device, torch.int32)
-              for g in _window_grid(offsets.shape[-len(kernel):], kernel, stride, padding)]
-    rem = offsets.to(torch.int32)
-    local = {}
-    for d in range(len(kernel) - 1, 0, -1):
-        local[d] = torch.remainder(rem, kernel[d])
-        rem.div_(kernel[d], rounding_mode="floor")
-    idx = rem  # the first dimension's position in its window
-    for d in range(len(kernel)):
-        loc = idx if d == 0 else local.pop(d)
-        if dilation[d] != 1:
-            loc.mul_(dilation[d])
-        loc.add_(starts[d])  # the input coordinate
-        if d:
-            idx.mul_(in_spatial[d]).add_(loc)
-        del loc
-    return idx.long()
 
 
 def as_tuple(v, n: int) -> tuple:

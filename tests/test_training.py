@@ -605,12 +605,12 @@ def test_norm_statistics_stay_exact_and_only_the_input_is_rounded():
 @pytest.mark.parametrize("path", ["numba", "numba-parallel", "torch"])
 def test_max_pool_offsets_round_trip_to_pytorchs_indices(size, kernel, stride, padding,
                                                          dilation, path, monkeypatch):
-    from actune import substitutes
-    from actune.substitutes import indices_from_offsets, window_offsets
+    from actune import max_pool_offsets
+    from actune.max_pool_offsets import indices_from_offsets, window_offsets
     from actune_kernels import pool
 
     if path == "torch":  # the path GPUs and fake tensors take
-        monkeypatch.setattr(substitutes, "_numba_pool", lambda t, kernel: False)
+        monkeypatch.setattr(max_pool_offsets, "_numba_pool", lambda t, kernel: False)
     if path == "numba-parallel":  # (these sizes take the serial kernels otherwise)
         monkeypatch.setattr(pool, "SERIAL", 0)
     x = torch.randn(3, 5, *size, generator=torch.Generator().manual_seed(1))
@@ -644,7 +644,7 @@ def test_max_pool_offsets_32_bit_lanes_match_the_general_loop():
     ((6, 5, 7), (2, 3, 3), (1, 2, 1), (1, 1, 1), (2, 1, 2)),
 ])
 def test_max_pool_3d_offsets_round_trip(size, kernel, stride, padding, dilation):
-    from actune.substitutes import indices_from_offsets, window_offsets
+    from actune.max_pool_offsets import indices_from_offsets, window_offsets
 
     x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(2))
     _, idx = F.max_pool3d(x, kernel, stride, padding, dilation, return_indices=True)

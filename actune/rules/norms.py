@@ -4,7 +4,7 @@ Their backward reads the saved input linearly once the statistics (mean, rstd) a
 the statistics nonlinearly: only the tensor of the input's shape is rounded (``other_bits``);
 the per-row or per-channel statistics are small and stay exact, the weight, bias and running
 statistics stay references. Large training-mode batch norms in float32/64 run
-:class:`~actune.substitutes.LeanBatchNorm` (two activation-sized tensors in backward, not three;
+:class:`~actune.lean_batch_norm.LeanBatchNorm` (two activation-sized tensors in backward, not three;
 optionally writing over a convolution's output that nothing else reads).
 
 The bias this leaves is of order (rounding variance) / (elements reduced over): invisible at
