@@ -86,13 +86,18 @@ def _fused_forward(self, x, *args, **kwargs):
     if args or kwargs or not isinstance(x, torch.Tensor):
         return _compressed_forward(self, x, *args, **kwargs)
     if _inside_own_level(self):
-        out = fused_of(_base_class(self))(self, x)
-        return super(type(self), self).forward(x) if out is None else out
+        return _fused_or_own(self, x)
     if traced():
         with TracedMode(getattr(self, _LEVEL_ATTR)):
-            out = fused_of(_base_class(self))(self, x)
-            return super(type(self), self).forward(x) if out is None else out
+            return _fused_or_own(self, x)
     return _eager_fused_forward(self, x)
+
+
+def _fused_or_own(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The one op standing in for ``module``'s inline chain, or its own forward where the op
+    does not fit (under whichever block the caller opened)."""
+    out = fused_of(_base_class(module))(module, x)
+    return super(type(module), module).forward(x) if out is None else out
 
 
 @torch.compiler.disable(recursive=True)
@@ -104,8 +109,7 @@ def _eager_forward(self, *args, **kwargs):
 @torch.compiler.disable(recursive=True)
 def _eager_fused_forward(self, x):
     with compressed(getattr(self, _LEVEL_ATTR)):
-        out = fused_of(_base_class(self))(self, x)
-    return _eager_forward(self, x) if out is None else out
+        return _fused_or_own(self, x)
 
 
 def _counterpart(cls: type[nn.Module]) -> type[nn.Module]:
