@@ -14,9 +14,8 @@ of 8). CPU tensors of float32 or float64 only: :func:`supported` says which.
 from __future__ import annotations
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
 
-from actune.quant import _KERNEL_DTYPES, _NUMPY_DTYPES, PackedTensor, _cpu_kernels, dequantize
+from actune.quant import _KERNEL_DTYPES, _NUMPY_DTYPES, _cpu_kernels
 from actune.quant_columns import _column_kernels
 from actune_kernels import layout
 
@@ -42,14 +41,22 @@ def _groups(shape: torch.Size, group_size: int, by_feature: bool) -> int:
     return layout.num_groups(shape.numel(), group_size)
 
 
-@torch.library.custom_op("actune::graph_pack", mutates_args=())
-def graph_pack(x: torch.Tensor, bits: int, group_size: int, by_feature: bool,
-               key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` rounded stochastically to ``bits`` per group, the stream keyed by ``key``:
-    ``(codes, metadata)`` as the module docstring shapes them."""
+# Defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: the
+# dispatcher calls these Python kernels straight, where ``custom_op``'s wrappers (autograd,
+# aliasing checks) cost about 20 us a call, 2 ms a step for a model with 50 saved tensors.
+# Nothing differentiates through them (the traced rules' backward unpacks).
+_LIB = torch.library.Library("actune", "FRAGMENT")
+_LIB.define("graph_pack(Tensor x, int bits, int group_size, bool by_feature, Tensor key) "
+            "-> (Tensor, Tensor)")
+_LIB.define("graph_unpack(Tensor codes, Tensor meta, int bits, int group_size, "
+            "bool by_feature, int[] shape, ScalarType dtype) -> Tensor")
+
+
+def _pack(x: torch.Tensor, bits: int, group_size: int, by_feature: bool,
+          key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = _groups(x.shape, group_size, by_feature)
     codes = torch.empty((groups, group_size * bits // 8), dtype=torch.uint8)
-    meta = torch.empty((groups, 2), dtype=torch.int16)
+    meta = torch.empty((groups, 1), dtype=torch.float32)  # (two int16 words a group)
     if groups:
         src = x.contiguous()
         seed = int(key)
@@ -62,27 +69,46 @@ def graph_pack(x: torch.Tensor, bits: int, group_size: int, by_feature: bool,
             _cpu_kernels().pack_at(src.data_ptr(), x.numel(), _NUMPY_DTYPES[src.dtype],
                                    codes.data_ptr(), meta.data_ptr(), bits, group_size, seed,
                                    0, True, False)
-    return codes, meta.view(torch.float32)
+    return codes, meta
 
 
-@graph_pack.register_fake
 def _fake_pack(x, bits, group_size, by_feature, key):
     groups = _groups(x.shape, group_size, by_feature)
     return (x.new_empty((groups, group_size * bits // 8), dtype=torch.uint8),
             x.new_empty((groups, 1), dtype=torch.float32))
 
 
-@torch.library.custom_op("actune::graph_unpack", mutates_args=())
-def graph_unpack(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
-                 by_feature: bool, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """The values :func:`graph_pack` kept, as a tensor of ``shape`` and ``dtype``
-    (:func:`actune.quant.dequantize` of them: the same kernels)."""
-    size = torch.Size(shape)
-    packed = PackedTensor(codes.reshape(-1), meta.view(torch.int16), bits, group_size, size,
-                          dtype, tuple(make_contiguous_strides_for(size)), False, by_feature)
-    return dequantize(packed)
+def _unpack(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
+            by_feature: bool, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    work = dtype if dtype in _KERNEL_DTYPES else torch.float32  # (the kernels write these)
+    out = torch.empty(shape, dtype=work)
+    n = out.numel()
+    if n:  # the kernels straight into the output
+        codes, meta = codes.contiguous(), meta.contiguous()
+        if by_feature:
+            width = shape[-1]
+            _column_kernels().unpack_columns_at(codes.data_ptr(), meta.data_ptr(), bits,
+                                                group_size, out.data_ptr(), n // width, width,
+                                                _NUMPY_DTYPES[work])
+        else:
+            _cpu_kernels().unpack_at(codes.data_ptr(), meta.data_ptr(), bits, group_size,
+                                     out.data_ptr(), n, _NUMPY_DTYPES[work])
+    return out if work == dtype else out.to(dtype)
 
 
-@graph_unpack.register_fake
 def _fake_unpack(codes, meta, bits, group_size, by_feature, shape, dtype):
     return codes.new_empty(shape, dtype=dtype)
+
+
+_LIB.impl("graph_pack", _pack, "CPU")
+_LIB.impl("graph_unpack", _unpack, "CPU")
+torch.library.register_fake("actune::graph_pack", _fake_pack, lib=_LIB)
+torch.library.register_fake("actune::graph_unpack", _fake_unpack, lib=_LIB)
+
+#: ``graph_pack(x, bits, group_size, by_feature, key) -> (codes, metadata)``: ``x`` rounded
+#: stochastically to ``bits`` per group, the stream keyed by ``key`` (shapes: module
+#: docstring).
+graph_pack = torch.ops.actune.graph_pack.default
+#: ``graph_unpack(codes, metadata, bits, group_size, by_feature, shape, dtype)``: the values
+#: :data:`graph_pack` kept, as a contiguous tensor of ``shape`` and ``dtype``.
+graph_unpack = torch.ops.actune.graph_unpack.default

@@ -271,3 +271,11 @@ def test_the_graph_ops_pass_opcheck(by_feature):
     codes, meta = quant_graph.graph_pack(x, 4, 64, by_feature, key)
     torch.library.opcheck(quant_graph.graph_unpack,
                           (codes, meta, 4, 64, by_feature, [100, 24], torch.float32))
+    # float64 packed, unpacked as float32 and as bfloat16 (not a dtype the kernels write):
+    # the same values, rounded to the dtype asked for
+    wide = quant_graph.graph_unpack(codes, meta, 4, 64, by_feature, [100, 24], torch.float32)
+    narrow = quant_graph.graph_unpack(codes, meta, 4, 64, by_feature, [100, 24],
+                                      torch.bfloat16)
+    assert wide.shape == narrow.shape == x.shape and narrow.dtype == torch.bfloat16
+    assert torch.equal(narrow, wide.to(torch.bfloat16))
+    assert (wide.double() - x).abs().max() <= (x.max() - x.min()) / 15
