@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.traced.pack import pack, unpack
+from actune.traced.pack import in_memory_order, memory_order, pack, restore_order, unpack
 
 __all__ = ["MaskedReLU", "PackedBatchNorm", "PackedConv", "pack_bits", "unpack_bits"]
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean tensor as one bit per element (uint8, eight a byte; zero-padded)."""
-    flat = mask.reshape(-1).to(torch.uint8)
+    """A boolean tensor as one bit per element (uint8, eight neighbours a byte; zero-padded),
+    in its memory order (:func:`~actune.traced.pack.memory_order`)."""
+    flat = in_memory_order(mask, memory_order(mask)).reshape(-1).to(torch.uint8)
     pad = -flat.numel() % 8
     if pad:
         flat = F.pad(flat, (0, pad))
@@ -29,10 +30,16 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def unpack_bits(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The boolean tensor :func:`pack_bits` kept."""
-    q = torch.stack([(bits >> i) & 1 for i in range(8)], 1).reshape(-1)
-    return q[: shape.numel()].reshape(shape).bool()
+def unpack_bits(bits: torch.Tensor, shape: torch.Size,
+                order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The boolean tensor :func:`pack_bits` kept (``order``: the mask's memory order)."""
+    # one broadcast shift, a pointwise op Inductor fuses into its readers (a stack of eight
+    # shifted copies was eight buffers and a concatenation a mask; eight slices of a byte
+    # each, as the codes of traced.pack, made the readers of a channels-last mask slower)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    q = ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    inner = shape if order is None else torch.Size(shape[d] for d in order)
+    return restore_order(q[: shape.numel()].reshape(inner).bool(), order)
 
 
 class PackedConv(torch.autograd.Function):
@@ -41,19 +48,21 @@ class PackedConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, stride, padding, dilation, groups, bits: int, group_size: int):
         ctx.conf = (stride, padding, dilation, groups, None if b is None else [b.shape[0]])
-        ctx.meta = (x.shape, x.dtype, bits, group_size)
+        order = memory_order(x)  # (channels-last: packed as laid out, unpacked alike)
+        ctx.meta = (x.shape, x.dtype, bits, group_size, order)
         keep = ctx.needs_input_grad[1]
-        ctx.save_for_backward(w, *(pack(x, bits, group_size) if keep else ()))
+        ctx.save_for_backward(w, *(pack(in_memory_order(x, order), bits, group_size) if keep
+                                   else ()))
         return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False,
                                           [0] * len(stride), groups)
 
     @staticmethod
     def backward(ctx, grad):
         w, *packed = ctx.saved_tensors
-        shape, dtype, bits, group_size = ctx.meta
+        shape, dtype, bits, group_size, order = ctx.meta
         stride, padding, dilation, groups, bias_sizes = ctx.conf
         need = ctx.needs_input_grad
-        x = unpack(tuple(packed), bits, shape, dtype, group_size) if need[1] else \
+        x = unpack(tuple(packed), bits, shape, dtype, group_size, order=order) if need[1] else \
             torch.empty(shape, dtype=dtype, device=grad.device)
         gx, gw, gb = torch.ops.aten.convolution_backward(
             grad, x, w, bias_sizes, stride, padding, dilation, False, [0] * len(stride), groups,
@@ -67,13 +76,14 @@ class MaskedReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         y = torch.relu(x)
-        ctx.shape = x.shape
-        ctx.save_for_backward(pack_bits(y > 0))
+        positive = y > 0
+        ctx.layout = (x.shape, memory_order(positive))
+        ctx.save_for_backward(pack_bits(positive))
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * unpack_bits(ctx.saved_tensors[0], ctx.shape).to(grad.dtype)
+        return grad * unpack_bits(ctx.saved_tensors[0], *ctx.layout).to(grad.dtype)
 
 
 class PackedBatchNorm(torch.autograd.Function):
@@ -92,20 +102,21 @@ class PackedBatchNorm(torch.autograd.Function):
             y = y * weight.float().reshape(view)
         if bias is not None:
             y = y + bias.float().reshape(view)
-        ctx.meta = (x.shape, x.dtype, bits, group_size, weight is not None)
+        order = memory_order(x)
+        ctx.meta = (x.shape, x.dtype, bits, group_size, weight is not None, order)
         ctx.save_for_backward(mean, rstd, *(() if weight is None else (weight,)),
-                              *pack(x, bits, group_size))
+                              *pack(in_memory_order(x, order), bits, group_size))
         ctx.mark_non_differentiable(mean, var)
         return y.to(x.dtype), mean, var
 
     @staticmethod
     def backward(ctx, grad, _gmean, _gvar):
-        shape, dtype, bits, group_size, has_weight = ctx.meta
+        shape, dtype, bits, group_size, has_weight, order = ctx.meta
         mean, rstd, *rest = ctx.saved_tensors
         weight = rest.pop(0) if has_weight else None
         dims = (0, *range(2, len(shape)))
         view = (1, -1, *([1] * (len(shape) - 2)))
-        xhat = (unpack(tuple(rest), bits, shape, torch.float32, group_size)
+        xhat = (unpack(tuple(rest), bits, shape, torch.float32, group_size, order=order)
                 - mean.reshape(view)) * rstd.reshape(view)
         g = grad.float()
         gsum = g.sum(dims)

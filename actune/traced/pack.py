@@ -22,8 +22,9 @@ import torch.nn.functional as F  # noqa: N812
 from actune import quant_graph as graph_ops
 from actune_kernels.scalar import MASK32, MUL1, MUL2
 
-__all__ = ["Packed", "group_statistic", "pack", "pack_range", "packed_bytes", "packed_origin",
-           "random_key", "uniform", "unpack", "unpack_range"]
+__all__ = ["Packed", "group_statistic", "in_memory_order", "memory_order", "pack", "pack_range",
+           "packed_bytes", "packed_origin", "random_key", "restore_order", "uniform", "unpack",
+           "unpack_range"]
 
 
 class Packed(NamedTuple):
@@ -33,6 +34,34 @@ class Packed(NamedTuple):
     codes: torch.Tensor
     low: torch.Tensor
     step: torch.Tensor | None
+
+
+def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of ``x``'s dims from the slowest in memory to the fastest, where it is dense
+    in another order than its own (channels-last): ``x.permute(order)`` is then contiguous, a
+    view. None where ``x`` is contiguous or not dense. Flat groups are packed in memory order,
+    so that a channels-last tensor is neither copied to pack nor unpacked in another layout
+    than the kernels around it use (each such mix made Inductor transpose between them)."""
+    if x.dim() < 2 or x.is_contiguous():
+        return None
+    order = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), d)))
+    return order if x.permute(order).is_contiguous() else None
+
+
+def in_memory_order(x: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """``x`` as the contiguous view :func:`memory_order` names (``x`` where None)."""
+    return x if order is None else x.permute(order)
+
+
+def restore_order(y: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """The inverse of :func:`in_memory_order`: ``y`` (contiguous, dims in ``order``) as a view
+    in the original dims' order, with the original's strides."""
+    if order is None:
+        return y
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return y.permute(inverse)
 
 
 def _groups(x: torch.Tensor, group_size: int, by_feature: bool) -> torch.Tensor:
@@ -147,9 +176,16 @@ def pack(x: torch.Tensor, bits: int, group_size: int = 256, by_feature: bool = F
 
 
 def unpack(p: Packed | tuple, bits: int, shape: torch.Size, dtype: torch.dtype,
-           group_size: int = 256, by_feature: bool = False) -> torch.Tensor:
+           group_size: int = 256, by_feature: bool = False,
+           order: tuple[int, ...] | None = None) -> torch.Tensor:
     """The values :func:`pack` kept (a :class:`Packed` or its three tensors), as a tensor of
-    ``shape`` and ``dtype`` (``group_size`` and ``by_feature`` as packed)."""
+    ``shape`` and ``dtype`` (``group_size`` and ``by_feature`` as packed). ``order``: the
+    :func:`memory_order` of a tensor packed as ``in_memory_order(x, order)``; the result then
+    has ``x``'s shape and strides."""
+    if order is not None:
+        inner = unpack(p, bits, torch.Size(shape[d] for d in order), dtype, group_size,
+                       by_feature)
+        return restore_order(inner, order)
     codes, low, step = p
     if step is None:  # (the kernels' format)
         return graph_ops.graph_unpack(codes, low, bits, group_size, by_feature, list(shape),

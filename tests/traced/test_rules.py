@@ -9,7 +9,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune.levels import Level
 from actune.traced import TracedMode, pack, unpack
-from actune.traced.pack import pack_range, unpack_range
+from actune.traced.pack import in_memory_order, memory_order, pack_range, unpack_range
 
 
 def _level(bits: int) -> Level:
@@ -87,8 +87,13 @@ def _case(name):
     if name == "conv":
         return (lambda x, w, b: F.conv2d(x, w, b, 1, 1)), \
             (r(4, 3, 16, 16), r(8, 3, 3, 3, weight=True), r(8))
+    if name == "conv_channels_last":  # (packed in memory order, unpacked in that layout)
+        return (lambda x, w, b: F.conv2d(_channels_last(x), w, b, 1, 1)), \
+            (r(4, 3, 16, 16), r(8, 3, 3, 3, weight=True), r(8))
     if name == "relu":
         return (lambda x: F.relu(x)), (r(8, 300),)
+    if name == "relu_channels_last":
+        return (lambda x: F.relu(_channels_last(x))), (r(2, 5, 6, 7),)
     if name == "relu_inplace":  # (nn.ReLU(inplace=True)): the result written over its input
         return (lambda x: F.relu(x * 1, inplace=True)), (r(8, 300),)
     if name == "relu_":
@@ -96,12 +101,20 @@ def _case(name):
     if name == "batch_norm":
         return (lambda x, w, b: F.batch_norm(x, None, None, w, b, True)), \
             (r(8, 4, 8, 8), r(4), r(4))
+    if name == "batch_norm_channels_last":
+        return (lambda x, w, b: F.batch_norm(_channels_last(x), None, None, w, b, True)), \
+            (r(8, 4, 8, 8), r(4), r(4))
     raise KeyError(name)
 
 
+def _channels_last(x):
+    return x.contiguous(memory_format=torch.channels_last)
+
+
 CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "layer_norm", "rms_norm",
-         "softmax", "mul", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv", "relu",
-         "relu_inplace", "relu_", "batch_norm")
+         "softmax", "mul", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv",
+         "conv_channels_last", "relu", "relu_channels_last", "relu_inplace", "relu_",
+         "batch_norm", "batch_norm_channels_last")
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -211,6 +224,29 @@ def test_bits_round_trip():
     p = pack_bits(m)
     assert p.dtype == torch.uint8 and p.numel() == -(-m.numel() // 8)
     assert torch.equal(unpack_bits(p, m.shape), m)
+    # a channels-last mask: packed in memory order, read back with its strides
+    c = (torch.rand(2, 5, 3, 7, generator=torch.Generator().manual_seed(1)) > 0.5) \
+        .contiguous(memory_format=torch.channels_last)
+    order = memory_order(c)
+    assert order == (0, 2, 3, 1)
+    back = unpack_bits(pack_bits(c), c.shape, order)
+    assert torch.equal(back, c) and back.stride() == c.stride()
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_channels_last_tensor_is_packed_in_memory_order(kernels):
+    """No copy to pack it, and its values back in its own layout (a layout mix between the
+    unpacked tensor and the convolution's gradient made Inductor transpose between them)."""
+    x = torch.randn(4, 16, 5, 5, generator=torch.Generator().manual_seed(2)) \
+        .contiguous(memory_format=torch.channels_last)
+    order = memory_order(x)
+    view = in_memory_order(x, order)
+    assert view.is_contiguous() and view.data_ptr() == x.data_ptr()
+    y = unpack(pack(view, 8, 64, kernels=kernels), 8, x.shape, x.dtype, 64, order=order)
+    assert y.stride() == x.stride()
+    assert (y - x).abs().max() <= (x.max() - x.min()) / 255 + 1e-6
+    assert memory_order(torch.randn(3, 4)) is None  # contiguous: as it is
+    assert memory_order(torch.randn(4, 6)[:, ::2]) is None  # not dense: copied to pack
 
 
 def test_the_graphs_random_stream_is_the_kernels():
