@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from actune import quant_graph as graph_ops
 from actune.traced.pack import in_memory_order, memory_order, pack, restore_order, unpack
 
 __all__ = ["MaskedReLU", "PackedBatchNorm", "PackedConv", "pack_bits", "unpack_bits"]
@@ -36,10 +37,13 @@ def unpack_bits(bits: torch.Tensor, shape: torch.Size,
     # one broadcast shift, a pointwise op Inductor fuses into its readers (a stack of eight
     # shifted copies was eight buffers and a concatenation a mask; eight slices of a byte
     # each, as the codes of traced.pack, made the readers of a channels-last mask slower)
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    q = ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)
     inner = shape if order is None else torch.Size(shape[d] for d in order)
-    return restore_order(q[: shape.numel()].reshape(inner).bool(), order)
+    if bits.device.type == "cpu" and graph_ops.USE_ON_CPU:
+        q = graph_ops.graph_unpack_bits(bits, shape.numel())
+    else:
+        shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+        q = ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[: shape.numel()].bool()
+    return restore_order(q.reshape(inner), order)
 
 
 class PackedConv(torch.autograd.Function):

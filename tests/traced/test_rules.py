@@ -231,6 +231,8 @@ def test_bits_round_trip():
     assert order == (0, 2, 3, 1)
     back = unpack_bits(pack_bits(c), c.shape, order)
     assert torch.equal(back, c) and back.stride() == c.stride()
+    from actune import quant_graph  # (the CPU's opaque unpack: schema, fake, tracing)
+    torch.library.opcheck(quant_graph.graph_unpack_bits, (p, m.numel()))
 
 
 @pytest.mark.parametrize("kernels", [False, True])
