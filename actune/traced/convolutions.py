@@ -34,9 +34,10 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 def unpack_bits(bits: torch.Tensor, shape: torch.Size,
                 order: tuple[int, ...] | None = None) -> torch.Tensor:
     """The boolean tensor :func:`pack_bits` kept (``order``: the mask's memory order)."""
-    # one broadcast shift, a pointwise op Inductor fuses into its readers (a stack of eight
-    # shifted copies was eight buffers and a concatenation a mask; eight slices of a byte
-    # each, as the codes of traced.pack, made the readers of a channels-last mask slower)
+    # on the CPU an opaque op (a gather: Inductor's C++ kernels did not vectorise the shift
+    # by each element's place in its byte where they fused it), elsewhere one broadcast
+    # shift the readers fuse (a stack of eight shifted copies was eight buffers and a
+    # concatenation a mask; eight slices of a byte each made channels-last readers slower)
     inner = shape if order is None else torch.Size(shape[d] for d in order)
     if bits.device.type == "cpu" and graph_ops.USE_ON_CPU:
         q = graph_ops.graph_unpack_bits(bits, shape.numel())
