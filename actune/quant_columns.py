@@ -109,11 +109,19 @@ def _unpack_into(p: PackedTensor, out: torch.Tensor,
                  times: torch.Tensor | None = None) -> torch.Tensor:
     """The column kernel unpacking CPU ``p`` into contiguous ``out`` (its dtype, one the
     kernels write), each value times ``times``' (same shape and dtype) if given."""
-    width = p.shape[-1]
+    return unpack_columns_into(p.codes, p.meta, p.bits, p.group_size, out, p.shape[-1],
+                               p.zero_code, times)
+
+
+def unpack_columns_into(codes: torch.Tensor, meta: torch.Tensor, bits: int, rows: int,
+                        out: torch.Tensor, width: int, zero_code: bool = False,
+                        times: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`_unpack_into` of bare codes and metadata (CPU) with ``width`` features: for
+    callers that hold no :class:`PackedTensor` (a compiled graph's op). Returns ``out``."""
     _column_kernels().unpack_columns_at(
-        p.codes.contiguous().data_ptr(), p.meta.contiguous().data_ptr(), p.bits,
-        p.group_size, out.data_ptr(), p.numel() // width, width, _NUMPY_DTYPES[out.dtype],
-        p.zero_code, 0 if times is None else times.data_ptr())
+        codes.contiguous().data_ptr(), meta.contiguous().data_ptr(), bits, rows,
+        out.data_ptr(), out.numel() // width, width, _NUMPY_DTYPES[out.dtype], zero_code,
+        0 if times is None else times.data_ptr())
     return out
 
 

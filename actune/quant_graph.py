@@ -1,4 +1,5 @@
-"""The Numba CPU kernels as custom ops for compiled graphs, keyed by a tensor.
+"""The Numba CPU kernels as custom ops for compiled graphs, keyed by a tensor (and a ReLU
+mask's unpacking, :data:`graph_unpack_bits`, as an op Inductor does not fuse).
 
 A compiled graph cannot hold a seed as a Python number (it would be a constant of the graph:
 the same rounding every step); these ops take the key as a 0-d tensor that the graph draws
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from actune.quant import _KERNEL_DTYPES, _NUMPY_DTYPES, _cpu_kernels
-from actune.quant_columns import _column_kernels
+from actune.quant import _KERNEL_DTYPES, _NUMPY_DTYPES, _cpu_kernels, _unpack_cpu
+from actune.quant_columns import _column_kernels, unpack_columns_into
 from actune_kernels import layout
 
 __all__ = ["USE_ON_CPU", "graph_pack", "graph_unpack", "supported"]
@@ -83,17 +84,11 @@ def _unpack(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int,
             by_feature: bool, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     work = dtype if dtype in _KERNEL_DTYPES else torch.float32  # (the kernels write these)
     out = torch.empty(shape, dtype=work)
-    n = out.numel()
-    if n:  # the kernels straight into the output
-        codes, meta = codes.contiguous(), meta.contiguous()
+    if out.numel():  # the kernels straight into the output
         if by_feature:
-            width = shape[-1]
-            _column_kernels().unpack_columns_at(codes.data_ptr(), meta.data_ptr(), bits,
-                                                group_size, out.data_ptr(), n // width, width,
-                                                _NUMPY_DTYPES[work])
+            unpack_columns_into(codes, meta, bits, group_size, out, shape[-1])
         else:
-            _cpu_kernels().unpack_at(codes.data_ptr(), meta.data_ptr(), bits, group_size,
-                                     out.data_ptr(), n, _NUMPY_DTYPES[work])
+            _unpack_cpu(codes, meta, bits, group_size, out, out.numel(), False)
     return out if work == dtype else out.to(dtype)
 
 
