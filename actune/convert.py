@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -34,6 +35,7 @@ _AUTOPREC_ATTR = "_actune_autoprec"
 _ROOT_LEVEL_ATTR = "_actune_root_level"
 _STATS_ATTR = "_actune_stats"
 _TRACK_ATTR = "_actune_track_stats"
+_LOSS_TYPE_ATTR = "_actune_loss_type"  # (a Hugging Face model's own, before compress)
 
 # Layer classes with a compressed counterpart, and what the counterpart keeps for backward.
 _SUPPORTED: dict[type[nn.Module], str] = {
@@ -240,6 +242,7 @@ def compress(model: nn.Module, level: str | Level | None = None, *, every: int =
         module.__class__ = _counterpart(base)
         setattr(module, _LEVEL_ATTR, lv)
     model.__dict__[_ROOT_LEVEL_ATTR] = lv
+    _name_hf_loss(model)
     if not hasattr(model, "_actune_handles"):
         model._actune_handles = (model.register_forward_pre_hook(_enter_forward),
                                  model.register_forward_hook(_exit_forward, always_call=True))
@@ -250,10 +253,29 @@ def compress(model: nn.Module, level: str | Level | None = None, *, every: int =
     return model
 
 
+def _name_hf_loss(model: nn.Module) -> None:
+    """Name the loss a Hugging Face model falls back to where its class name names none
+    (``GPT2LMHeadModel``): its forward otherwise logs a warning on every call, a graph break
+    under torch.compile between the logits and the loss, at any level. The same loss
+    (``ForCausalLM``, what ``loss_function`` falls back to), no warning; :func:`decompress`
+    puts the model's own value back."""
+    loss_utils = sys.modules.get("transformers.loss.loss_utils")
+    if loss_utils is None:
+        return
+    for module in model.modules():
+        own = module.__dict__.get("loss_type", "")
+        if own != "" and own not in loss_utils.LOSS_MAPPING and \
+                _LOSS_TYPE_ATTR not in module.__dict__:
+            module.__dict__[_LOSS_TYPE_ATTR] = own
+            module.loss_type = "ForCausalLM"
+
+
 def _restore(module: nn.Module) -> None:
     if hasattr(module, _LEVEL_ATTR):
         module.__class__ = _base_class(module)
         delattr(module, _LEVEL_ATTR)
+    if _LOSS_TYPE_ATTR in module.__dict__:
+        module.loss_type = module.__dict__.pop(_LOSS_TYPE_ATTR)
 
 
 def decompress(model: nn.Module) -> nn.Module:

@@ -109,6 +109,7 @@ class PackedBatchNorm(torch.autograd.Function):
             y = y + bias.float().reshape(view)
         order = memory_order(x)
         ctx.meta = (x.shape, x.dtype, bits, group_size, weight is not None, order)
+        ctx.eps = eps
         ctx.save_for_backward(mean, rstd, *(() if weight is None else (weight,)),
                               *pack(in_memory_order(x, order), bits, group_size))
         ctx.mark_non_differentiable(mean, var)
@@ -119,17 +120,13 @@ class PackedBatchNorm(torch.autograd.Function):
         shape, dtype, bits, group_size, has_weight, order = ctx.meta
         mean, rstd, *rest = ctx.saved_tensors
         weight = rest.pop(0) if has_weight else None
-        dims = (0, *range(2, len(shape)))
-        view = (1, -1, *([1] * (len(shape) - 2)))
-        xhat = (unpack(tuple(rest), bits, shape, torch.float32, group_size, order=order)
-                - mean.reshape(view)) * rstd.reshape(view)
-        g = grad.float()
-        gsum = g.sum(dims)
-        gdot = (g * xhat).sum(dims)
-        count = g.numel() // g.shape[1]
-        scale = rstd if weight is None else rstd * weight.float()
-        gx = (g - (gsum / count).reshape(view) - xhat * (gdot / count).reshape(view)) \
-            * scale.reshape(view)
-        gw = gdot.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        gb = gsum.to(dtype) if ctx.needs_input_grad[2] else None
+        x = unpack(tuple(rest), bits, shape, torch.float32, group_size, order=order)
+        # PyTorch's own backward on the unpacked input: Inductor decomposes it as it does
+        # for an uncompressed batch norm, into one kernel with the convolution's gradient
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            grad.float(), x, None if weight is None else weight.float(), None, None, mean,
+            rstd, True, ctx.eps, [True, has_weight and ctx.needs_input_grad[1],
+                                  ctx.needs_input_grad[2]])
+        gw = gw.to(weight.dtype) if gw is not None else None
+        gb = gb.to(dtype) if gb is not None else None
         return gx.to(dtype), gw, gb, None, None, None

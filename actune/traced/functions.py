@@ -33,6 +33,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad^T @ x`` over all tokens, as a batched product of one: Inductor rewrites
+    ``mm(a, b) + c`` into one ``addmm`` and runs it where ``c`` is ready. For a weight used
+    twice, a language model's head tied to its embedding, ``c`` is the embedding's gradient,
+    made last: the logits' gradient (the step's largest tensor) was held through the whole
+    backward (Hugging Face GPT-2: 15.6 MiB, the compiled step's peak 43.9 -> 30.1 MiB)."""
+    return torch.bmm(_rows(grad).t().unsqueeze(0), _rows(x).unsqueeze(0)).squeeze(0)
+
+
 class PackedLinear(torch.autograd.Function):
     """``F.linear(x, w, b)`` keeping ``x`` rounded (only if ``w`` needs a gradient)."""
 
@@ -51,7 +60,7 @@ class PackedLinear(torch.autograd.Function):
         gw = gb = None
         if ctx.needs_input_grad[1]:
             x = unpack(tuple(packed), bits, shape, dtype, group_size, True)
-            gw = (_rows(grad).t() @ _rows(x).to(grad.dtype)).to(w.dtype)
+            gw = _weight_gradient(grad, x.to(grad.dtype)).to(w.dtype)
         if ctx.needs_input_grad[2]:
             gb = _rows(grad).sum(0)
         return gx, gw, gb, None, None
