@@ -162,7 +162,10 @@ def hf_workload(spec: str, class_name: str | None = None) -> Workload:
 
     def build_model(depth: float = 1.0, width: float = 1.0, resolution: int | None = None):
         # (resolution sizes the batch only)
-        return make(_scaled(config, depth, width)).train()
+        model = make(_scaled(config, depth, width)).train()
+        if getattr(model, "loss_type", "") is None:  # (GPT2LMHeadModel) the loss it falls
+            model.loss_type = "ForCausalLM"  # back to, named: its warning breaks compiled graphs
+        return model
 
     name = getattr(config, "name_or_path", "") or Path(spec).stem or spec
     source = f"hf:{spec}" + (f"#{class_name}" if class_name else "")

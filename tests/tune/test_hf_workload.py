@@ -64,6 +64,23 @@ def test_the_task_decides_the_batch(configs):
     assert loss.dim() == 0 and loss.requires_grad
 
 
+def test_a_causal_lm_whose_class_names_no_loss_compiles_to_one_graph(configs):
+    """GPT2LMHeadModel logs that it falls back to the causal-LM loss on every call, which
+    Dynamo cannot trace: the workload names that loss, so a compiled step is one graph."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    gpt2 = hf_workload(str(configs / "gpt2"))
+    model = gpt2.model()
+    assert model.loss_type == "ForCausalLM"
+    inputs, _ = gpt2.make_batch(2, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    gpt2.step_loss(torch.compile(model, backend="aot_eager"), inputs, None).backward()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_depth_and_width_scale_the_config_with_whole_heads(configs):
     llama = hf_workload(str(configs / "llama"))
     model = llama.model(depth=2.0, width=1.5)
