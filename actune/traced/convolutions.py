@@ -121,8 +121,8 @@ class PackedBatchNorm(torch.autograd.Function):
         mean, rstd, *rest = ctx.saved_tensors
         weight = rest.pop(0) if has_weight else None
         x = unpack(tuple(rest), bits, shape, torch.float32, group_size, order=order)
-        # PyTorch's own backward on the unpacked input: Inductor decomposes it as it does
-        # for an uncompressed batch norm, into one kernel with the convolution's gradient
+        # PyTorch's own backward on the unpacked input (linear in it: unbiased), which
+        # Inductor decomposes as it does an uncompressed batch norm's
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
             grad.float(), x, None if weight is None else weight.float(), None, None, mean,
             rstd, True, ctx.eps, [True, has_weight and ctx.needs_input_grad[1],
