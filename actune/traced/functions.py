@@ -71,16 +71,13 @@ class PackedProduct(torch.autograd.Function):
     gradient."""
 
     @staticmethod
-    def forward(ctx, a, b, bits: int, group_size: int, *packed_a):
-        """``packed_a``: ``a`` already packed at ``bits`` in flat groups (softmax's first
-        copy, :class:`TwoCopySoftmax`), kept instead of a copy of its own."""
+    def forward(ctx, a, b, bits: int, group_size: int):
         ctx.meta = (a.shape, b.shape, a.dtype, b.dtype, bits, group_size)
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.which = (need_b, need_a)  # a is read for b's gradient, b for a's
-        ctx.shared = len(packed_a)
         kept = []
         if need_b:
-            kept += packed_a or pack(a, bits, group_size)
+            kept += pack(a, bits, group_size)
         if need_a:
             kept += pack(b, bits, group_size)
         ctx.save_for_backward(*kept)
@@ -98,7 +95,7 @@ class PackedProduct(torch.autograd.Function):
             b = unpack(tuple(kept[:3]), bits, b_shape, b_dtype, group_size)
         ga = grad @ b.transpose(-2, -1) if b is not None else None
         gb = a.transpose(-2, -1) @ grad if a is not None else None
-        return ga, gb, None, None, *([None] * ctx.shared)
+        return ga, gb, None, None
 
 
 class GatedProduct(torch.autograd.Function):
@@ -217,19 +214,13 @@ class TwoCopySoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim: int, bits: int, group_size: int):
-        """Returns the output and its first copy's tensors (codes, minima, and steps where
-        the torch ops packed), for a product reading the output to keep instead of packing
-        a third copy (:class:`PackedProduct`'s ``packed_a``)."""
         y = torch.softmax(x, dim)
         ctx.meta = (y.shape, y.dtype, dim, bits, group_size)
-        first = pack(y, bits, group_size)
-        ctx.save_for_backward(*first, *pack(y, bits, group_size))
-        shared = tuple(t for t in first if t is not None)
-        ctx.mark_non_differentiable(*shared)
-        return (y, *shared)
+        ctx.save_for_backward(*pack(y, bits, group_size), *pack(y, bits, group_size))
+        return y
 
     @staticmethod
-    def backward(ctx, grad, *_shared):
+    def backward(ctx, grad):
         shape, _dtype, dim, bits, group_size = ctx.meta
         s = ctx.saved_tensors
         y1 = unpack(s[:3], bits, shape, grad.dtype, group_size)

@@ -32,20 +32,12 @@ __all__ = ["TRACED", "TracedMode", "dispatch"]
 Handler = Callable[[Level, tuple, dict], torch.Tensor | None]
 #: function -> handler (see the module docstring)
 TRACED: dict[Callable, Handler] = {}
-#: handlers that also take the trace's shared packs (a fourth argument, or None): a plain
-#: dict from a tensor to the tensors it was packed into (a softmax's output -> its first
-#: rounded copy), for a later op reading the same tensor to keep instead of packing its own.
-#: Made inside the traced forward (:class:`TracedMode`): one made outside would make Dynamo
-#: return its tensors from the graph.
-_SHARING: set[Handler] = set()
 
 
-def _register(*funcs: Callable, shares: bool = False) -> Callable[[Handler], Handler]:
+def _register(*funcs: Callable) -> Callable[[Handler], Handler]:
     def add(handler: Handler) -> Handler:
         for f in funcs:
             TRACED[f] = handler
-        if shares:
-            _SHARING.add(handler)
         return handler
     return add
 
@@ -78,8 +70,8 @@ def _addmm(level, args, kwargs):
 
 
 @_register(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
-           torch.Tensor.bmm, shares=True)
-def _matmul(level, args, kwargs, shared=None):
+           torch.Tensor.bmm)
+def _matmul(level, args, kwargs):
     if len(args) != 2 or kwargs:
         return None
     a, b = args
@@ -90,11 +82,7 @@ def _matmul(level, args, kwargs, shared=None):
         return PackedLinear.apply(a, b.t(), None, level.matmul_bits, level.group_size)
     if (_activation(a, level) and _activation(b, level) and a.dim() == b.dim() >= 3
             and a.shape[:-2] == b.shape[:-2]):
-        # a softmax's output (attention's map) keeps the softmax's first copy where both
-        # round alike, as eager shares it: one pack and one unpack of the map fewer
-        packed = shared.get(a) if shared and level.matmul_bits == level.other_bits else None
-        return PackedProduct.apply(a, b, level.matmul_bits, level.group_size,
-                                   *(packed or ()))
+        return PackedProduct.apply(a, b, level.matmul_bits, level.group_size)
     return None
 
 
@@ -136,17 +124,14 @@ _register(F.layer_norm)(_norm(False))
 _register(F.rms_norm)(_norm(True))
 
 
-@_register(F.softmax, torch.softmax, torch.Tensor.softmax, shares=True)
-def _softmax(level, args, kwargs, shared=None):
+@_register(F.softmax, torch.softmax, torch.Tensor.softmax)
+def _softmax(level, args, kwargs):
     x = args[0]
     dim = arg(args, kwargs, 1, "dim", None)
     if (level.other_bits is None or not _activation(x, level) or dim is None
             or arg(args, kwargs, 3 if len(args) > 3 else 2, "dtype", None) is not None):
         return None
-    y, *first = TwoCopySoftmax.apply(x, dim, level.other_bits, level.group_size)
-    if shared is not None:
-        shared[y] = (*first, None) if len(first) == 2 else tuple(first)
-    return y
+    return TwoCopySoftmax.apply(x, dim, level.other_bits, level.group_size)
 
 
 @_register(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
@@ -160,15 +145,6 @@ def _mul(level, args, kwargs):
                                                                 and b.requires_grad)):
         return None
     return GatedProduct.apply(a, b, level.sensitive_width, level.group_size)
-
-
-@_register(F.dropout)
-def _dropout(level, args, kwargs):
-    """No dropout (``p`` 0, or not training) returns its input itself, as PyTorch's op does
-    eagerly (traced, it would be a new tensor): an attention map passed through
-    ``F.dropout(attn, 0.0)`` is still the softmax's output that shared its first copy."""
-    p, training = arg(args, kwargs, 1, "p", 0.5), arg(args, kwargs, 2, "training", True)
-    return args[0] if isinstance(args[0], torch.Tensor) and (p == 0 or not training) else None
 
 
 @_register(F.scaled_dot_product_attention)
@@ -264,14 +240,11 @@ def _batch_norm(level, args, kwargs):
     return y
 
 
-def dispatch(level: Level, func: Callable, args: tuple, kwargs: dict,
-             shared: dict | None = None):
-    """Run ``func`` through its traced rule at ``level``, or as it is. ``shared``: the
-    trace's packs that later ops may keep (None: every op packs its own)."""
+def dispatch(level: Level, func: Callable, args: tuple, kwargs: dict):
+    """Run ``func`` through its traced rule at ``level``, or as it is."""
     handler = TRACED.get(func)
     if handler is not None and torch.is_grad_enabled():
-        out = (handler(level, args, kwargs, shared) if handler in _SHARING
-               else handler(level, args, kwargs))
+        out = handler(level, args, kwargs)
         if out is not None:
             return out
     return func(*args, **kwargs)
@@ -279,13 +252,11 @@ def dispatch(level: Level, func: Callable, args: tuple, kwargs: dict,
 
 class TracedMode(TorchFunctionMode):
     """Routes calls through :data:`TRACED` at ``level``: what a compressed model's forward runs
-    under while Dynamo traces it (see :func:`actune.compress`), with shared packs of its own
-    (:data:`_SHARING`)."""
+    under while Dynamo traces it (see :func:`actune.compress`)."""
 
     def __init__(self, level: Level) -> None:
         super().__init__()
         self.level = level
-        self.shared: dict = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        return dispatch(self.level, func, args, kwargs or {}, self.shared)
+        return dispatch(self.level, func, args, kwargs or {})

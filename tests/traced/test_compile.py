@@ -220,29 +220,3 @@ def test_a_tied_heads_weight_gradient_does_not_hold_the_logits_gradient():
         step()
         peaks[compiled] = max(_peak(step) for _ in range(2))
     assert peaks[True] < 0.85 * peaks[False], peaks
-
-
-def _packs_and_unpacks(monkeypatch, share: bool) -> tuple[int, int]:
-    from torch._dynamo.testing import AotEagerAndRecordGraphs
-
-    from actune.traced import rules
-
-    if not share:
-        monkeypatch.setattr(rules, "_SHARING", set())
-    model = actune.compress(_transformer(), "L3")
-    backend = AotEagerAndRecordGraphs()
-    torch._dynamo.reset()
-    _projection(torch.compile(model, backend=backend)(MODELS["transformer"][1]())).backward()
-
-    def count(graphs, name):
-        return sum(str(n.target) == f"actune.{name}.default" for g in graphs for n in g.graph.nodes)
-    return count(backend.fw_graphs, "graph_pack"), count(backend.bw_graphs, "graph_unpack")
-
-
-def test_attention_keeps_the_softmaxs_first_copy_for_its_product(monkeypatch):
-    """As eager shares it: the map ``softmax(q k^T) @ v`` reads is the softmax's first rounded
-    copy, not a third one (through ``F.dropout(attn, 0.0)``, which returns its input)."""
-    shared = _packs_and_unpacks(monkeypatch, True)
-    monkeypatch.undo()
-    alone = _packs_and_unpacks(monkeypatch, False)
-    assert (alone[0] - shared[0], alone[1] - shared[1]) == (1, 1), (alone, shared)  # one layer
