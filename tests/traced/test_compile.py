@@ -5,6 +5,8 @@ Models are tiny: each compile takes seconds of the suite's time."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -220,3 +222,22 @@ def test_a_tied_heads_weight_gradient_does_not_hold_the_logits_gradient():
         step()
         peaks[compiled] = max(_peak(step) for _ in range(2))
     assert peaks[True] < 0.85 * peaks[False], peaks
+
+
+@pytest.mark.parametrize("form", ["compress", "compressed"])
+def test_the_graph_returns_only_the_models_output(form):
+    """Nothing the rules make (packed copies, activations) leaks out of the traced forward:
+    a tensor reachable after it from an object that outlives the trace would be returned by
+    the graph and kept until backward (a dict of packs on the model's mode once did that)."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    model, x = _transformer(), MODELS["transformer"][1]()
+    if form == "compress":
+        actune.compress(model, "L3")
+    backend = EagerAndRecordGraphs()
+    torch._dynamo.reset()
+    with actune.compressed("L3") if form == "compressed" else contextlib.nullcontext():
+        _projection(torch.compile(model, backend=backend)(x)).backward()
+    (graph,) = backend.graphs
+    (output,) = [n for n in graph.graph.nodes if n.op == "output"]
+    assert len(output.args[0]) == 1
