@@ -14,7 +14,30 @@ import torch.nn.functional as F  # noqa: N812
 from actune import quant_graph as graph_ops
 from actune.traced.pack import in_memory_order, memory_order, pack, restore_order, unpack
 
-__all__ = ["MaskedReLU", "PackedBatchNorm", "PackedConv", "pack_bits", "unpack_bits"]
+__all__ = ["MaskedReLU", "PackedBatchNorm", "PackedConv", "graph_convolution", "pack_bits",
+           "unpack_bits"]
+
+# A convolution's forward as an op Inductor does not look into, on the CPU. Seeing an
+# ``aten.convolution`` there, Inductor's layout optimization turns the whole graph
+# channels-last and returns a channels-last copy of every convolution's weight as a tensor
+# saved for backward (ResNet-18 at 32 x 32: 17 copies, 40 MiB at the step's peak, and
+# slower steps on the CPUs measured, docs/benchmarks.md). Behind this op the graph keeps
+# the model's own layout, and a channels-last model stays channels-last.
+_LIB = torch.library.Library("actune", "FRAGMENT")
+_LIB.define("graph_convolution(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, "
+            "int[] dilation, int groups) -> Tensor")
+
+
+def _convolution(x, w, b, stride, padding, dilation, groups):
+    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False,
+                                      [0] * len(stride), groups)
+
+
+_LIB.impl("graph_convolution", _convolution, "CPU")
+torch.library.register_fake("actune::graph_convolution", _convolution, lib=_LIB)
+#: ``graph_convolution(x, w, b, stride, padding, dilation, groups)``: PyTorch's convolution,
+#: opaque to Inductor (used by :class:`PackedConv` on the CPU).
+graph_convolution = torch.ops.actune.graph_convolution.default
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -58,6 +81,8 @@ class PackedConv(torch.autograd.Function):
         keep = ctx.needs_input_grad[1]
         ctx.save_for_backward(w, *(pack(in_memory_order(x, order), bits, group_size) if keep
                                    else ()))
+        if x.device.type == "cpu" and graph_ops.USE_ON_CPU:
+            return graph_convolution(x, w, b, stride, padding, dilation, groups)
         return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False,
                                           [0] * len(stride), groups)
 
