@@ -24,7 +24,9 @@ from actune.traced.functions import (
     PackedLinear,
     PackedNorm,
     PackedProduct,
-    TwoCopySoftmax,
+    carry_copy,
+    shared_copy,
+    softmax_sharing_copy,
 )
 
 __all__ = ["TRACED", "TracedMode", "dispatch"]
@@ -82,7 +84,8 @@ def _matmul(level, args, kwargs):
         return PackedLinear.apply(a, b.t(), None, level.matmul_bits, level.group_size)
     if (_activation(a, level) and _activation(b, level) and a.dim() == b.dim() >= 3
             and a.shape[:-2] == b.shape[:-2]):
-        return PackedProduct.apply(a, b, level.matmul_bits, level.group_size)
+        return PackedProduct.apply(a, b, level.matmul_bits, level.group_size,
+                                   *shared_copy(a, level.matmul_bits, level.group_size))
     return None
 
 
@@ -131,7 +134,17 @@ def _softmax(level, args, kwargs):
     if (level.other_bits is None or not _activation(x, level) or dim is None
             or arg(args, kwargs, 3 if len(args) > 3 else 2, "dtype", None) is not None):
         return None
-    return TwoCopySoftmax.apply(x, dim, level.other_bits, level.group_size)
+    return softmax_sharing_copy(x, dim, level.other_bits, level.group_size)
+
+
+@_register(F.dropout)
+def _dropout(level, args, kwargs):
+    """A dropout that drops nothing (``p == 0``, or not training: a model's attention dropout
+    set to 0) passes a softmax's packed copy on to the product that reads its output."""
+    p, training = arg(args, kwargs, 1, "p", 0.5), arg(args, kwargs, 2, "training", True)
+    if p != 0 and training:
+        return None
+    return carry_copy(args[0], F.dropout(*args, **kwargs))
 
 
 @_register(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)

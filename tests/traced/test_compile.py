@@ -272,3 +272,27 @@ def test_a_compressed_convolution_keeps_the_models_layout_under_inductor():
     _projection(model(x)).backward()
     exact = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert (got - exact).norm() <= 0.05 * exact.norm()  # (8 bits: close to exact)
+
+
+@pytest.mark.parametrize("form", ["compress", "compressed"])
+def test_a_hundred_training_steps_compile_a_fixed_few_graphs(form):
+    """100 optimizer steps with the bit allocator at its default cadence (compress's
+    ``every=50``): no graph break, at most two graphs (one more where the first step's
+    kernels change torch's thread count), none after the tenth step."""
+    model, x = _transformer(), MODELS["transformer"][1]()
+    if form == "compress":
+        actune.compress(model, "L3")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for _ in range(100):
+        opt.zero_grad()
+        with actune.compressed("L3") if form == "compressed" else contextlib.nullcontext():
+            loss = _projection(compiled(x))
+        loss.backward()
+        opt.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert graphs[-1] <= 2 and graphs[9] == graphs[-1], graphs

@@ -72,6 +72,8 @@ def _case(name):
         return (lambda x: torch.softmax(x, -1)), (r(4, 64, 64),)
     if name == "mul":
         return (lambda a, b: a * b), (r(8, 64, 32), r(8, 64, 32))
+    if name == "attention_map":  # (the product keeps the softmax's first copy)
+        return _attention_map, (r(2, 4, 32, 16), r(2, 4, 32, 16), r(2, 4, 32, 16))
     if name == "sdpa_causal_gqa":
         return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                enable_gqa=True)), \
@@ -107,12 +109,16 @@ def _case(name):
     raise KeyError(name)
 
 
+def _attention_map(q, k, v):
+    return F.dropout(torch.softmax(q @ k.transpose(-2, -1), -1), 0.0, True) @ v
+
+
 def _channels_last(x):
     return x.contiguous(memory_format=torch.channels_last)
 
 
 CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "layer_norm", "rms_norm",
-         "softmax", "mul", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv",
+         "softmax", "mul", "attention_map", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv",
          "conv_channels_last", "relu", "relu_channels_last", "relu_inplace", "relu_",
          "batch_norm", "batch_norm_channels_last")
 
@@ -317,3 +323,26 @@ def test_the_graph_ops_pass_opcheck(by_feature):
     assert wide.shape == narrow.shape == x.shape and narrow.dtype == torch.bfloat16
     assert torch.equal(narrow, wide.to(torch.bfloat16))
     assert (wide.double() - x).abs().max() <= (x.max() - x.min()) / 15
+
+
+def test_a_softmax_output_read_by_a_product_is_packed_twice_not_three_times(monkeypatch):
+    """As in eager, the product reading a softmax's output (through a dropout that drops
+    nothing) keeps the softmax's first copy instead of packing a third."""
+    import actune.traced.functions as functions
+
+    shapes = []
+
+    def counting(x, *args, **kwargs):
+        shapes.append(tuple(x.shape))
+        return pack(x, *args, **kwargs)
+
+    monkeypatch.setattr(functions, "pack", counting)
+    _, inputs = _case("attention_map")
+    with TracedMode(_level(2)):
+        _attention_map(*_activations(inputs)).sum().backward()
+    assert shapes.count((2, 4, 32, 32)) == 2 and len(shapes) == 5, shapes
+    shapes.clear()
+    with TracedMode(_level(2)):  # (a dropout that drops: a new map, packed for the product)
+        (F.dropout(torch.softmax(inputs[0] * 1, -1), 0.5, True) @ inputs[1].transpose(-2, -1)
+         ).sum().backward()
+    assert shapes.count((2, 4, 32, 16)) == 3, shapes
