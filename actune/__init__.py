@@ -5,6 +5,7 @@ from actune.bit_allocation import allocate
 from actune.convert import (
     autoprec_of,
     compress,
+    count_compiled,
     decompress,
     is_compressed,
     stats_of,
@@ -35,6 +36,7 @@ __all__ = [
     "autoprec_of",
     "compress",
     "compressed",
+    "count_compiled",
     "decompress",
     "default_level",
     "dequantize",

@@ -27,8 +27,8 @@ from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
 from actune.traced import TracedMode, traced
 
-__all__ = ["ConversionRow", "autoprec_of", "compress", "decompress", "is_compressed",
-           "stats_of", "summary", "track_stats"]
+__all__ = ["ConversionRow", "autoprec_of", "compress", "count_compiled", "decompress",
+           "is_compressed", "stats_of", "summary", "track_stats"]
 
 _LEVEL_ATTR = "_actune_level"
 _AUTOPREC_ATTR = "_actune_autoprec"
@@ -192,6 +192,19 @@ def stats_of(model: nn.Module):
     since :func:`track_stats` (None before one): what its saved tensors would have taken and
     what was kept."""
     return model.__dict__.get(_STATS_ATTR)
+
+
+def count_compiled(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Around a compiled step of ``model`` (converted by :func:`compress`, with
+    :func:`track_stats` on): record what its compiled graphs save for :func:`stats_of`. A
+    compiled forward runs none of actune's hooks, so this opens :func:`compressed` at the
+    model's level, whose accounting sees the graphs' saved tensors (packed codes and what
+    the partitioner kept). Around an eager step it would count the step twice: use it only
+    where the model runs compiled. A no-op for a model not tracked."""
+    level = model.__dict__.get(_ROOT_LEVEL_ATTR)
+    if level is None or not model.__dict__.get(_TRACK_ATTR) or not model.training:
+        return contextlib.nullcontext()
+    return compressed(level, stats=functools.partial(_remember_stats, model))
 
 
 def _exit_forward(module, _args, _output):

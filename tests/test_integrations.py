@@ -58,6 +58,35 @@ def test_trainer_trains_and_logs_compression(tmp_path):
     assert all(r["actune/compression"] > 4 for r in seen if "loss" in r)
 
 
+def test_trainer_compiling_the_model_logs_compression_too(tmp_path):
+    """``torch_compile=True``: the compiled steps run none of actune's hooks; the callback's
+    trainer computes its losses under ``count_compiled``, which records the graphs' saves."""
+    from torch._dynamo.utils import counters
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from actune.integrations.hf import log_compression
+
+    seen: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs or {}))
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=30, learning_rate=1e-2,
+                             per_device_train_batch_size=8, logging_steps=10, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+                             torch_compile=True, torch_compile_backend="aot_eager")
+    trainer = Trainer(model=_model(), args=args, train_dataset=_Dataset(), callbacks=[Record()])
+    log_compression(trainer)
+    torch._dynamo.reset()
+    counters.clear()
+    trainer.train()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    losses = [r["loss"] for r in seen if "loss" in r]
+    assert losses[-1] < 0.85 * losses[0]
+    assert all(r["actune/compression"] > 4 for r in seen if "loss" in r)
+
+
 def _accelerated(level: str):
     from accelerate import Accelerator
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 from transformers import Trainer, TrainerCallback
 
-from actune.convert import track_stats
+from actune.convert import count_compiled, track_stats
 from actune.integrations import metrics
 
 __all__ = ["CompressionStatsCallback", "log_compression"]
@@ -25,6 +27,16 @@ class CompressionStatsCallback(TrainerCallback):
 
 def log_compression(trainer: Trainer) -> Trainer:
     """Put a :class:`CompressionStatsCallback` first among ``trainer``'s callbacks (the
-    reporters read the log after it); returns the trainer."""
+    reporters read the log after it); returns the trainer. With ``torch_compile=True`` its
+    training losses are computed under :func:`actune.count_compiled` (a compiled step runs
+    none of actune's hooks to record them otherwise)."""
     trainer.callback_handler.callbacks.insert(0, CompressionStatsCallback())
+    if trainer.args.torch_compile:
+        compute = trainer.compute_loss
+
+        @functools.wraps(compute)
+        def compute_loss(model, inputs, *args, **kwargs):
+            with count_compiled(trainer.model):
+                return compute(model, inputs, *args, **kwargs)
+        trainer.compute_loss = compute_loss
     return trainer
