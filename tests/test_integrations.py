@@ -58,6 +58,20 @@ def test_trainer_trains_and_logs_compression(tmp_path):
     assert all(r["actune/compression"] > 4 for r in seen if "loss" in r)
 
 
+@pytest.fixture
+def _accelerate_state_restored(monkeypatch):
+    """``torch_compile=True`` sets ``ACCELERATE_DYNAMO_BACKEND`` in the environment and the
+    Trainer's Accelerator state (a process-wide singleton) keeps its dynamo backend: a later
+    ``Accelerator()`` in the same process would compile its model. Both are undone."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")  # (restored: unset, at teardown)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.usefixtures("_accelerate_state_restored")
 def test_trainer_compiling_the_model_logs_compression_too(tmp_path):
     """``torch_compile=True``: the compiled steps run none of actune's hooks; the callback's
     trainer computes its losses under ``count_compiled``, which records the graphs' saves."""
@@ -115,15 +129,19 @@ def test_accelerate_prepare_trains_compressed_like_uncompressed():
     assert metrics(model)["actune/compression"] > 4
 
 
-def test_lightning_module_with_a_compressed_model():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_lightning_module_with_a_compressed_model(compiled):
+    """Compiled (the held model through ``torch.compile``), the callback counts each batch's
+    compiled forward under ``count_compiled``: the same figures are logged."""
     import lightning
+    from torch._dynamo.utils import counters
 
     from actune.integrations.lightning import CompressionStatsCallback
 
     class Module(lightning.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = _model()
+            self.model = torch.compile(_model(), backend="aot_eager") if compiled else _model()
             self.losses: list[float] = []
 
         def training_step(self, batch, _index):
@@ -140,6 +158,11 @@ def test_lightning_module_with_a_compressed_model():
                                 enable_model_summary=False,
                                 callbacks=[CompressionStatsCallback("model")])
     loader = torch.utils.data.DataLoader(_sequences(), batch_size=8)
+    torch._dynamo.reset()
+    counters.clear()
     trainer.fit(module, loader)
-    assert module.losses[-1] < 0.85 * module.losses[0]
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    # (compiled, a mixed level packs at its uniform widths, 2 bits: this 30-step recipe's
+    # last loss spreads widely with the rounding's seed, eager too; the loss still falls)
+    assert module.losses[-1] < (0.95 if compiled else 0.85) * module.losses[0]
     assert trainer.callback_metrics["actune/compression"] > 4
