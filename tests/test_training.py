@@ -268,11 +268,11 @@ def test_transformer_activations_shrink_over_10x_at_l3():
 
 
 def test_a_forward_draws_one_seed_and_manual_seed_repeats_its_rounding(monkeypatch):
-    from actune import hooks
+    from actune import keeping
 
     draws = []
-    real = hooks._draw_seed
-    monkeypatch.setattr(hooks, "_draw_seed", lambda: draws.append(1) or real())
+    real = keeping._draw_seed
+    monkeypatch.setattr(keeping, "_draw_seed", lambda: draws.append(1) or real())
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
                         nn.Linear(64, 8))

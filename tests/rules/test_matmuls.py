@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import actune
-from actune import hooks
+from actune import keeping
 from actune.hooks import feature_major
 from tests.rules.helpers import DTYPES, check_rule, level, shrinks_like_noise
 
@@ -83,7 +83,7 @@ def test_feature_major_keeps_values_and_samples_and_puts_features_first():
 def test_only_a_weights_input_is_grouped_by_feature(monkeypatch):
     # attention's scores and probabilities (two activations multiplied) keep row groups
     seen = []
-    original = hooks.quantize_checked
+    original = keeping.quantize_checked
 
     def spy(t, *args, by_feature=False, **kwargs):
         if by_feature:
@@ -92,7 +92,7 @@ def test_only_a_weights_input_is_grouped_by_feature(monkeypatch):
 
     w = torch.nn.Parameter(torch.randn(64, 64))
     a = torch.randn(8, 64, 64).requires_grad_()
-    monkeypatch.setattr(hooks, "quantize_checked", spy)
+    monkeypatch.setattr(keeping, "quantize_checked", spy)
     with actune.compressed(level(2)):
         h = a * 1.0
         (h @ h.transpose(-1, -2)).sum().backward(retain_graph=True)
