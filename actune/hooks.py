@@ -39,7 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from actune.autoprec import AutoPrecision
 from actune.fused import fused_modules
-from actune.keeping import OTHER, CompressionStats, Keeper, _dropper
+from actune.keeping import _OUTSIDE, OTHER, CompressionStats, Keeper, _dropper
 from actune.levels import Level, get_level
 from actune.mode import FunctionMode, parameter_like, top_hooks
 from actune.quant import pack_mask
@@ -149,9 +149,14 @@ class _Session(Keeper):
         if self.exact_ids and id(t) in self.exact_ids:
             return self._keep(t, new, f"{op_name(self.op)} broadcast operand")
         if t.dtype == torch.bool:
-            if level.masks and n >= level.min_numel:
+            # (a mask comes back contiguous: one saved outside any op in another layout, such
+            # as a compiled graph's dropout mask of a transposed tensor, whose backward
+            # asserts the layout it was saved in, is kept as it is)
+            elsewhere = self.op is None and not t.is_contiguous()
+            if level.masks and n >= level.min_numel and not elsewhere:
                 return self._pack(t, None, "mask", lambda: pack_mask(t))
-            return self._keep(t, new)
+            return self._keep(t, new, f"{_OUTSIDE}: a mask in another layout" if elsewhere
+                              else None)
         bits = self.widths[self.kind]  # the level's bits for what this op saves (None: exact)
         if self.derived and self.kind == _MATMUL and self.features and bits is not None:
             # a matmul with a weight: its backward reads this input for the weight's gradient
