@@ -28,6 +28,7 @@ import contextlib
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from actune.multihead import decompose
 from actune.random_masks import drawn_here, keep_mask
 from actune.rules import register
 from actune.rules.activations import compressible
@@ -182,3 +183,15 @@ def _replayed(ctx):
         else:
             torch.set_rng_state(state)
         yield
+
+
+@register((F.multi_head_attention_forward,), "attention", None,
+          "nn.MultiheadAttention's usual path computed as its calls (the projections' "
+          "inputs at matmul bits, the attention as scaled_dot_product_attention's rule); "
+          "elsewhere (attention weights returned, a key padding mask...) PyTorch's own code, "
+          "exact")
+def multihead_attention(s, func, args, kwargs, level):
+    from actune.mode import FunctionMode  # (the mode imports the rules)
+
+    with FunctionMode(s):  # (its calls routed one by one, as a model's own would be)
+        return decompose(args, kwargs)

@@ -16,7 +16,7 @@ import torch
 
 from actune.traced.pack import pack, random_key, uniform, unpack
 
-__all__ = ["PackedAttention", "PackedCrossEntropy"]
+__all__ = ["PackedAttention", "PackedCrossEntropy", "RedrawnDropout"]
 
 
 class PackedAttention(torch.autograd.Function):
@@ -100,6 +100,23 @@ def _dropped(p: torch.Tensor, key: torch.Tensor, dropout_p: float) -> torch.Tens
     """The map with dropout: entries kept where the key's uniform numbers reach ``dropout_p``,
     scaled by ``1 / (1 - dropout_p)``."""
     return p * (uniform(p, key) >= dropout_p) / (1 - dropout_p)
+
+
+class RedrawnDropout(torch.autograd.Function):
+    """``F.dropout`` in training keeping only a key: backward draws the same mask again from
+    it (:func:`~actune.traced.pack.uniform`), where PyTorch's dropout saves its mask (a
+    compiled graph may save it as float32, mask times scale: 4 bytes an element)."""
+
+    @staticmethod
+    def forward(ctx, x, p: float):
+        key = random_key(x.device)
+        ctx.save_for_backward(key)
+        ctx.p = p
+        return _dropped(x, key, p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _dropped(grad, ctx.saved_tensors[0], ctx.p), None
 
 
 class PackedCrossEntropy(torch.autograd.Function):

@@ -15,8 +15,9 @@ import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
 from actune.levels import Level
+from actune.multihead import decompose
 from actune.substitutes import arg
-from actune.traced.attention import PackedAttention, PackedCrossEntropy
+from actune.traced.attention import PackedAttention, PackedCrossEntropy, RedrawnDropout
 from actune.traced.convolutions import MaskedReLU, PackedBatchNorm, PackedConv
 from actune.traced.functions import (
     GatedProduct,
@@ -139,12 +140,18 @@ def _softmax(level, args, kwargs):
 
 @_register(F.dropout)
 def _dropout(level, args, kwargs):
-    """A dropout that drops nothing (``p == 0``, or not training: a model's attention dropout
-    set to 0) passes a softmax's packed copy on to the product that reads its output."""
-    p, training = arg(args, kwargs, 1, "p", 0.5), arg(args, kwargs, 2, "training", True)
-    if p != 0 and training:
+    """In training, the mask drawn again in backward from a key (nothing kept for it); a
+    dropout that drops nothing (``p == 0``, or not training: a model's attention dropout set
+    to 0) passes a softmax's packed copy on to the product that reads its output. In place:
+    PyTorch's own."""
+    x, p = args[0], arg(args, kwargs, 1, "p", 0.5)
+    training = arg(args, kwargs, 2, "training", True)
+    if p == 0 or not training:
+        return carry_copy(x, F.dropout(*args, **kwargs))
+    if (arg(args, kwargs, 3, "inplace", False) or not 0 < p < 1
+            or not _activation(x, level)):
         return None
-    return carry_copy(args[0], F.dropout(*args, **kwargs))
+    return RedrawnDropout.apply(x, float(p))
 
 
 @_register(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
@@ -174,6 +181,14 @@ def _attention(level, args, kwargs):
         return None
     return PackedAttention.apply(q, k, v, mask, causal, scale, level.nonlinear_bits,
                                  level.sensitive_width, level.group_size, float(dropout))
+
+
+@_register(F.multi_head_attention_forward)
+def _multihead(level, args, kwargs):
+    """``nn.MultiheadAttention``'s usual path as its calls, each routed by a mode entered
+    again (:mod:`actune.multihead`); None elsewhere: PyTorch's own code."""
+    with TracedMode(level):
+        return decompose(args, kwargs)
 
 
 @_register(F.cross_entropy)

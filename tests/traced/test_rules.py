@@ -346,3 +346,25 @@ def test_a_softmax_output_read_by_a_product_is_packed_twice_not_three_times(monk
         (F.dropout(torch.softmax(inputs[0] * 1, -1), 0.5, True) @ inputs[1].transpose(-2, -1)
          ).sum().backward()
     assert shapes.count((2, 4, 32, 16)) == 3, shapes
+
+
+def test_dropout_keeps_a_key_and_draws_its_mask_again():
+    """In training a dropout keeps only a key: backward draws the same mask (zero where the
+    output is, scaled by 1 / (1 - p) elsewhere); about 1 - p of the entries kept."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    g = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    torch.manual_seed(0)
+    with TracedMode(_level(2)), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        y = F.dropout(x * 1, 0.3, True)
+    (gx,) = torch.autograd.grad(y, x, g)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.7) < 0.01
+    assert torch.equal(y, torch.where(kept, x / 0.7, 0))
+    assert torch.allclose(gx, torch.where(kept, g / 0.7, 0))
+    assert all(t.numel() == 1 for t in saved), [tuple(t.shape) for t in saved]
