@@ -70,7 +70,9 @@ def _project(query, key, value, a):
             return None, None, None
         if query is key and key is value:  # self-attention: one product, then split
             proj = F.linear(query, packed, bias)
-            return proj.unflatten(-1, (3, query.shape[-1])).unbind(-2)
+            # (reshape: Tensor.unflatten calls super() in Python, which Dynamo does not trace
+            # under a function mode)
+            return proj.reshape(*proj.shape[:-1], 3, query.shape[-1]).unbind(-2)
         weights = packed.chunk(3)
     biases = (None,) * 3 if bias is None else bias.chunk(3)
     return tuple(F.linear(t, w, b) for t, w, b in zip((query, key, value), weights, biases,

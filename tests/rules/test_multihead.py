@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch._dynamo.utils import counters
 
 import actune
 from actune.multihead import decompose
@@ -81,8 +83,11 @@ def test_eight_bits_close_to_exact_in_both_forms():
     for compile_ in (False, True):
         layer.zero_grad()
         run = torch.compile(layer, backend="aot_eager") if compile_ else layer
+        torch._dynamo.reset()
+        counters.clear()
         with actune.compressed("u8"):
             out = run(x)
         out.square().mean().backward()
         got = torch.cat([p.grad.flatten() for p in layer.parameters()])
         assert (got - exact).norm() <= 0.03 * exact.norm(), compile_
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
