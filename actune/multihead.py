@@ -35,9 +35,11 @@ def decompose(args: tuple, kwargs: dict) -> tuple[torch.Tensor, None] | None:
     bound.apply_defaults()
     a = bound.arguments
     query, key, value = a["query"], a["key"], a["value"]
+    masked, causal = a["attn_mask"] is not None, bool(a["is_causal"])
+    # (the causal hint comes with its mask, which PyTorch's code then drops for the hint)
     if (any(a[name] is not value_ and a[name] != value_ for name, value_ in _PLAIN.items())
             or query.dim() != 3 or key.shape != value.shape
-            or (a["attn_mask"] is not None and not a["is_causal"])):
+            or masked != causal):  # (a mask of its own; or the hint alone: PyTorch raises)
         return None
     tgt_len, bsz, embed_dim = query.shape
     heads = a["num_heads"]

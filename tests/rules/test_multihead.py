@@ -91,3 +91,10 @@ def test_eight_bits_close_to_exact_in_both_forms():
         got = torch.cat([p.grad.flatten() for p in layer.parameters()])
         assert (got - exact).norm() <= 0.03 * exact.norm(), compile_
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def test_the_causal_hint_without_its_mask_still_raises_as_pytorchs():
+    m = nn.MultiheadAttention(32, 4, batch_first=True)
+    q = torch.randn(3, 7, 32)
+    with actune.compressed("L3"), pytest.raises(RuntimeError, match="Need attn_mask"):
+        m(q, q, q, need_weights=False, is_causal=True)
