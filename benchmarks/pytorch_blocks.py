@@ -1,8 +1,9 @@
 """PyTorch's own transformer blocks under compressed(): what is saved, and what is kept.
 
 ``nn.TransformerEncoderLayer`` (128 wide, 4 heads, feed-forward 512, pre-norm, batch first,
-a batch of 16 x 128 tokens) at dropout 0 and 0.1, and a small ``nn.Transformer`` (one
-encoder and one decoder layer, causal target), each eager and compiled (Inductor), a step
+a batch of 16 x 128 tokens) at dropout 0 and 0.1, a small ``nn.Transformer`` (one encoder
+and one decoder layer, causal target) and ``nn.MultiheadAttention`` called with its defaults
+(the attention weights returned too), each eager and compiled (Inductor), a step
 under ``compressed("L3")``: the bytes autograd would keep, the bytes kept, their ratio, what
 stayed exact, and Dynamo's graph breaks. ``--without-multihead`` runs with actune's rule for
 ``F.multi_head_attention_forward`` removed (both forms), as before it existed.
@@ -43,9 +44,17 @@ def _transformer():
     return model, lambda run: run(src, tgt, tgt_mask=mask, tgt_is_causal=True)
 
 
+def _multihead():
+    module = nn.MultiheadAttention(128, 4, dropout=0.1, batch_first=True)
+    x = torch.randn(16, 128, 128)
+    return module, lambda run: sum(t.square().mean() for t in run(x, x, x))  # (its defaults:
+    #                                                       the weights returned too)
+
+
 BLOCKS = {"TransformerEncoderLayer, dropout 0": lambda: _encoder(0.0),
           "TransformerEncoderLayer, dropout 0.1": lambda: _encoder(0.1),
-          "Transformer (1 + 1 layers, causal target)": _transformer}
+          "Transformer (1 + 1 layers, causal target)": _transformer,
+          "MultiheadAttention, dropout 0.1, called with its defaults": _multihead}
 
 
 def measure(make, compiled: bool) -> str:

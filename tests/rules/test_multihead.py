@@ -50,11 +50,27 @@ def test_the_decomposition_is_pytorchs_value(batch_first, causal, cross, separat
     assert torch.allclose(out.transpose(0, 1) if batch_first else out, ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("average", [True, False])
+def test_with_the_weights_too(average):
+    """``need_weights=True`` (the module's default): the weights' own products and softmax,
+    as PyTorch's code computes them."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(32, 4, batch_first=True)
+    q = torch.randn(3, 7, 32)
+    ref, ref_weights = m(q, q, q, average_attn_weights=average)
+    _, (args, kwargs) = _calls(m, q, q, q, average_attn_weights=average)
+    out, weights = decompose(args, kwargs)
+    assert torch.allclose(out.transpose(0, 1), ref, atol=1e-6)
+    assert weights.shape == ref_weights.shape and torch.allclose(weights, ref_weights, atol=1e-6)
+
+
 def test_other_paths_are_pytorchs_own():
     m = nn.MultiheadAttention(32, 4, batch_first=True)
     q = torch.randn(3, 7, 32)
     padding = torch.zeros(3, 7, dtype=torch.bool)
-    for kwargs in ({"need_weights": True}, {"need_weights": False, "key_padding_mask": padding}):
+    mask = torch.zeros(7, 7, dtype=torch.bool)
+    for kwargs in ({"need_weights": True, "attn_mask": mask},
+                   {"need_weights": False, "key_padding_mask": padding}):
         _, (args, kw) = _calls(m, q, q, q, **kwargs)
         assert decompose(args, kw) is None
 
@@ -98,3 +114,16 @@ def test_the_causal_hint_without_its_mask_still_raises_as_pytorchs():
     q = torch.randn(3, 7, 32)
     with actune.compressed("L3"), pytest.raises(RuntimeError, match="Need attn_mask"):
         m(q, q, q, need_weights=False, is_causal=True)
+
+
+def test_a_module_called_with_its_defaults_keeps_little_exact():
+    """``mha(x, x, x)`` returns the weights (need_weights defaults to True): compressed too."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True)
+    x = torch.randn(8, 32, 64)
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        out, weights = m(x, x, x)
+    (out.square().mean() + weights.square().mean()).backward()
+    assert "multi_head_attention_forward" not in stats[0].exact, stats[0].exact
+    assert stats[0].ratio > 6, stats[0]
