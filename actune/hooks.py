@@ -39,7 +39,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from actune.autoprec import AutoPrecision
 from actune.fused import fused_modules
-from actune.keeping import _OUTSIDE, OTHER, CompressionStats, Keeper, _dropper
+from actune.keeping import _OUTSIDE, CompressionStats, Keeper, _dropper
+from actune.keeping import OTHER as _OTHER
 from actune.levels import Level, get_level
 from actune.mode import FunctionMode, parameter_like, top_hooks
 from actune.quant import pack_mask
@@ -59,7 +60,6 @@ __all__ = ["CompressionStats", "active_level", "allow_overwrite", "compressed", 
 
 # Which ops' saved tensors are quantized, and with which of the level's bit widths.
 _MATMUL = "matmul"
-_OTHER = OTHER
 _ZEROS = "zeros"  # a tensor >= 0 whose backward reads its exact zeros (rules/masks.py)
 _BOUNDARY = "checkpoint boundary"
 
@@ -216,6 +216,14 @@ class _Session(Keeper):
             fn = t.grad_fn if isinstance(t, torch.Tensor) else None
             if fn is not None and type(fn).__name__ == "CheckpointFunctionBackward":
                 compress_reentrant(fn, lambda: compressed(level))
+
+    def run_as(self, kind: str, func, args, kwargs):
+        """Run ``func`` with its saved tensors packed at the level's ``kind`` bits."""
+        previous, self.kind = self.kind, kind
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.kind = previous
 
     @staticmethod
     def unpack_hook(saved: object) -> torch.Tensor:

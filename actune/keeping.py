@@ -163,14 +163,6 @@ class Keeper:
         """``t``'s storage holds a new value (written over in place): count it again."""
         self.seen.pop(_storage_key(t, None)[:-2], None)
 
-    def run_as(self, kind: str, func, args, kwargs):
-        """Run ``func`` with its saved tensors packed at the level's ``kind`` bits."""
-        previous, self.kind = self.kind, kind
-        try:
-            return func(*args, **kwargs)
-        finally:
-            self.kind = previous
-
     def _new(self, packed) -> Saved:
         """A saved value; offloaded ones are chained in packing order for prefetching."""
         saved = Saved(packed, self.level.offload, self.last_offloaded)

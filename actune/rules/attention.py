@@ -187,9 +187,9 @@ def _replayed(ctx):
 
 @register((F.multi_head_attention_forward,), "attention", None,
           "nn.MultiheadAttention's usual path computed as its calls (the projections' "
-          "inputs at matmul bits, the attention as scaled_dot_product_attention's rule); "
-          "elsewhere (attention weights returned, a key padding mask...) PyTorch's own code, "
-          "exact")
+          "inputs at matmul bits, the attention as scaled_dot_product_attention's rule, or "
+          "with its weights returned as their products' and softmax's); elsewhere (a key "
+          "padding mask, a mask of its own...) PyTorch's own code, exact")
 def multihead_attention(s, func, args, kwargs, level):
     from actune.mode import FunctionMode  # (the mode imports the rules)
 
