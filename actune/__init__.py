@@ -16,6 +16,8 @@ from actune.families import default_level
 from actune.hooks import CompressionStats, compressed
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import LEVELS, Level, get_level, parse_levels
+from actune.linear_loss import linear_cross_entropy
+from actune.lm_head import chunk_loss, chunks_loss
 from actune.quant import PackedMask, PackedTensor, dequantize, pack_mask, quantize, unpack_mask
 from actune.quant_batch import dequantize_many, quantize_many
 from actune.saved import DoubleBackwardError
@@ -34,6 +36,8 @@ __all__ = [
     "allocate",
     "allow_inplace_norms",
     "autoprec_of",
+    "chunk_loss",
+    "chunks_loss",
     "compress",
     "compressed",
     "count_compiled",
@@ -44,6 +48,7 @@ __all__ = [
     "disallow_inplace_norms",
     "get_level",
     "is_compressed",
+    "linear_cross_entropy",
     "pack_mask",
     "parse_levels",
     "quantize",

@@ -25,6 +25,7 @@ from actune.fused import FUSED, class_name, fused_of
 from actune.hooks import active_level, compressed, shared_cache
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
+from actune.lm_head import chunk_loss
 from actune.traced import TracedMode, traced
 
 __all__ = ["ConversionRow", "autoprec_of", "compress", "count_compiled", "decompress",
@@ -234,8 +235,10 @@ def compress(model: nn.Module, level: str | Level | None = None, *, every: int =
     it in :func:`actune.compressed` too. A mixed-precision level (L3-L5, ``"2b"``, ``"1.25b"``)
     attaches an :class:`~actune.autoprec.AutoPrecision` (see :func:`autoprec_of`); each
     forward pass in training mode is one step of it, ``every`` steps between allocations,
-    ``per_sample`` bits per sample too. ``inplace``: batch norms that are the only reader of
-    a convolution's output write their result over it (:func:`allow_inplace_norms`).
+    ``per_sample`` bits per sample too. A Hugging Face causal LM trained with ``labels``
+    computes its head and loss in chunks, the logits never whole (:func:`actune.chunk_loss`;
+    ``outputs.logits`` is then None in training). ``inplace``: batch norms that are the only
+    reader of a convolution's output write their result over it (:func:`allow_inplace_norms`).
     """
     lv = default_level(model) if level is None else get_level(level)
     if lv.exact:
@@ -256,6 +259,7 @@ def compress(model: nn.Module, level: str | Level | None = None, *, every: int =
         setattr(module, _LEVEL_ATTR, lv)
     model.__dict__[_ROOT_LEVEL_ATTR] = lv
     _name_hf_loss(model)
+    chunk_loss(model)  # (a causal LM's logits never whole: the largest tensors left)
     if not hasattr(model, "_actune_handles"):
         model._actune_handles = (model.register_forward_pre_hook(_enter_forward),
                                  model.register_forward_hook(_exit_forward, always_call=True))
@@ -293,6 +297,7 @@ def _restore(module: nn.Module) -> None:
 
 def decompress(model: nn.Module) -> nn.Module:
     """Undo :func:`compress` in place; returns ``model``."""
+    chunk_loss(model, on=False)
     for module in model.modules():
         _restore(module)
     for handle in model.__dict__.pop("_actune_handles", ()):

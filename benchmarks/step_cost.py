@@ -1,8 +1,10 @@
 """What L3 costs a Hugging Face transformer's training step on the CPU, side by side.
 
 For each family and depth: one model and exact copies of its weights, each with its own
-AdamW: plain PyTorch (L0), ``compress(model, "L3")``, and the plain model's forward and loss
-inside ``with actune.compressed("L3")``. One step of each per round, in an order that rotates
+AdamW: plain PyTorch (L0), ``compress(model, "L3")`` (its loss in chunks, the logits never
+whole), the same with the model's own head and loss (``chunk_loss(model, on=False)``: the
+step before the loss path), and the plain model's forward and loss inside ``with
+actune.compressed("L3")``. One step of each per round, in an order that rotates
 every round (so neither drifts of the machine nor the order favour one), ``--rounds`` rounds
 after ``--warmup``. Printed: samples/s (median step), and for each form against L0 the median
 of the per-round ratios with its interquartile range (the run's own spread), and the ratio of
@@ -52,10 +54,12 @@ def build(family: str, layers: int, width: int, vocab: int, tokens: int):
 def variants(model) -> dict[str, tuple]:
     """name -> (model, optimizer, level under compressed() or None)."""
     out = {}
-    for name in ("L0", "compress()", "compressed()"):
+    for name in ("L0", "compress()", "compress(), whole logits", "compressed()"):
         twin = copy.deepcopy(model)
-        if name == "compress()":
+        if name.startswith("compress()"):
             actune.compress(twin, "L3")
+        if name == "compress(), whole logits":
+            actune.chunk_loss(twin, on=False)
         level = "L3" if name == "compressed()" else None
         out[name] = (twin, torch.optim.AdamW(twin.parameters(), lr=1e-4), level)
     return out

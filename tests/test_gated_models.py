@@ -64,6 +64,11 @@ def test_every_llama_parameters_two_bit_gradient_is_unbiased(form):
         actune.compress(model, TWO)
     got = grads_by_group(model, TWO, 256, form)
     for group in GROUPS:
+        if relative_error(got[group][0], exact[group][0]) < 1e-5:
+            # no rounding reaches it (compress()'s head: its loss in chunks keeps the hidden
+            # states exact at a level without nonlinear bits): unbiased, with no noise to shrink
+            assert (got[group].std(0).norm() / exact[group][0].norm()).item() < 1e-5, group
+            continue
         shrink = shrinks_like_noise(got[group], exact[group][0], 8, 256)
         assert shrink < 0.4, (group, shrink)
         assert relative_error(got[group].mean(0), exact[group][0]) < 0.1, group

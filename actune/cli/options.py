@@ -26,7 +26,8 @@ PrecisionOpt = Annotated[str | None, typer.Option(
     "16-mixed (autocast; a GradScaler in real steps) or bf16-true (the model cast). Default: "
     "the model file's `precision`, else 32-true.", show_default=False)]
 Levels = Annotated[str, typer.Option(help="Levels: L0-L5, L0,L3 or L3; with the alternatives "
-                                     "ckpt, offload and L3+ckpt (docs/tuning.md).")]
+                                     "ckpt, offload, lce (a causal LM's loss in chunks) and "
+                                     "L3+ckpt (docs/tuning.md).")]
 BudgetOpt = Annotated[str | None, typer.Option(
     "--budget", "-b", help="Memory budget: 16GiB, 1500MB or 80%. Default: the GPU's free "
     "memory less a reserve; without a GPU a simulated 16 GiB device.", show_default=False)]

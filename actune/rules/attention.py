@@ -64,9 +64,10 @@ def _sdpa(q, k, v, options, bias=None):
                                           **extra)
 
 
-def _math(q, k, v, options, bias, seed):
+def _math(q, k, v, options, bias, seed, keep=None):
     """PyTorch's math attention (scaled ``q k^T``, the mask or bias, a softmax that gives 0
-    for fully masked rows, dropout, ``@ v``) with dropout's mask drawn from ``seed``."""
+    for fully masked rows, dropout, ``@ v``) with dropout's mask drawn from ``seed`` (or
+    ``keep``, drawn already)."""
     mask, dropout_p, is_causal, scale, gqa = options
     if gqa and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
@@ -82,8 +83,85 @@ def _math(q, k, v, options, bias, seed):
         scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
                   else scores + mask)
     probs = torch.ops.aten._safe_softmax(scores, -1)
-    keep = keep_mask(probs.shape, 1 - dropout_p, seed, probs)
+    if keep is None:
+        keep = keep_mask(probs.shape, 1 - dropout_p, seed, probs)
     return torch.matmul(probs * keep, v).div_(1 - dropout_p)
+
+
+#: Attention-map elements one slice of the math path holds (64 MiB in float32): its maps
+#: (scores, probabilities, their gradients) live a slice at a time, not a batch at a time.
+MAP_SLICE = 1 << 24
+
+
+def _slices(q, k, v, options) -> tuple[torch.Size, int] | None:
+    """The math path's whole map shape and the rows of ``q``'s first dim per slice, or None
+    where the batch cannot be cut there (broadcast operands, one row)."""
+    mask, gqa = options[0], options[4]
+    rows = q.shape[0]
+    if q.dim() < 3 or rows < 2 or k.shape[0] != rows or v.shape[0] != rows:
+        return None
+    if mask is not None and mask.dim() == q.dim() and mask.shape[0] not in (1, rows):
+        return None
+    if not gqa and q.shape[:-2] != k.shape[:-2]:
+        return None  # (broadcast batch dims)
+    shape = torch.Size((*q.shape[:-1], k.shape[-2]))  # (with gqa: q's heads)
+    per_row = shape.numel() // rows
+    step = max(1, MAP_SLICE // max(per_row, 1))
+    return (shape, step) if step < rows else None
+
+
+def _sliced_options(options, rows: slice, batch: int):
+    mask = options[0]
+    if mask is not None and mask.dim() >= 3 and mask.shape[0] == batch and batch > 1:
+        return (mask[rows], *options[1:])
+    return options
+
+
+def _math_forward(q, k, v, options, seed):
+    """:func:`_math` without a learned bias, a slice of the batch at a time where it is
+    large (the same values; the dropout mask drawn whole, one byte an element)."""
+    cut = _slices(q, k, v, options)
+    if cut is None:
+        return _math(q, k, v, options, None, seed)
+    shape, step = cut
+    keep = keep_mask(shape, 1 - options[1], seed, q)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    for start in range(0, q.shape[0], step):
+        rows = slice(start, start + step)
+        out[rows] = _math(q[rows], k[rows], v[rows], _sliced_options(options, rows, q.shape[0]),
+                          None, seed, keep[rows])
+    return out
+
+
+def _math_backward(inputs, needs, options, seed, grad):
+    """The gradients of :func:`_math_forward` for the ``inputs`` (q, k, v) that ``needs``
+    names, a slice at a time where the forward sliced."""
+    q, k, v = inputs
+    cut = _slices(q, k, v, options)
+    if cut is None:
+        with torch.enable_grad():
+            out = _math(q, k, v, options, None, seed)
+        wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
+        found = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return [next(found) if need else None for need in needs]
+    shape, step = cut
+    keep = keep_mask(shape, 1 - options[1], seed, q)
+    grads = [torch.empty_like(t) if need else None for t, need in zip(inputs, needs,
+                                                                     strict=True)]
+    for start in range(0, q.shape[0], step):
+        rows = slice(start, start + step)
+        part = [t[rows].detach().requires_grad_(need) for t, need in zip(inputs, needs,
+                                                                        strict=True)]
+        with torch.enable_grad():
+            out = _math(*part, _sliced_options(options, rows, q.shape[0]), None, seed,
+                        keep[rows])
+        wanted = [t for t, need in zip(part, needs, strict=True) if need]
+        found = iter(torch.autograd.grad(out, wanted, grad[rows]) if wanted else ())
+        for g, need in zip(grads, needs, strict=True):
+            if need:
+                g[rows] = next(found)
+        del out, part
+    return grads
 
 
 #: an entry of a learned bias this far below its row's largest is a mask: ``exp`` of it
@@ -126,8 +204,12 @@ class RecomputedAttention(torch.autograd.Function):
         ctx.rng = _rng_state(device) if options[1] > 0 and not drawn else None
         ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
                         torch.get_autocast_dtype(device.type))
-        out = (_math(q, k, v, options, bias, ctx.seed) if drawn
-               else _sdpa(q, k, v, options, bias))
+        if not drawn:
+            out = _sdpa(q, k, v, options, bias)
+        elif bias is None:
+            out = _math_forward(q, k, v, options, ctx.seed)
+        else:
+            out = _math(q, k, v, options, bias, ctx.seed)
         session.count(out)  # what PyTorch's backends keep besides q, k and v
         ctx.bias = None if bias is None else _pack_bias(session, bias, q, level)
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -149,6 +231,10 @@ class RecomputedAttention(torch.autograd.Function):
         needs = ctx.needs_input_grad[:4]
         inputs = [t.detach().requires_grad_(need) for t, need in
                   zip(get_many([take(ctx, name) for name in "qkv"]), needs[:3], strict=True)]
+        if ctx.seed is not None and ctx.bias is None:  # the math path, sliced
+            with _replayed(ctx), plain_saving():
+                found = _math_backward(inputs, needs[:3], ctx.options, ctx.seed, grad)
+            return (*found, None, None, None, None)
         if ctx.bias is not None:
             inputs.append(_unpack_bias(take(ctx, "bias"), ctx.bias_dtype).detach()
                           .requires_grad_(needs[3]))

@@ -9,6 +9,9 @@ offload, as configurations the tuner runs like levels.
   backward is kept in host memory (counted as host bytes, like L4's). In an estimate the
   saved tensors go to the ``meta`` device, which the tracker counts as host; on the CPU there
   is nothing to offload to (noted).
+* ``lce``: a causal LM's head and loss in chunks of tokens, the logits never whole
+  (:func:`actune.chunk_loss`, exact), alone; every compressing level has it already, as
+  :func:`actune.compress` turns it on (``L3+lce`` is ``L3``).
 * ``L3+ckpt``, ``L3+offload``, ...: a level with either, compressing what they still keep.
 """
 
@@ -28,34 +31,50 @@ from actune.saved import offload_simulated
 __all__ = ["MODIFIERS", "Config", "apply_checkpointing", "parse_configs", "repeated_blocks"]
 
 #: Modifiers a configuration may add to a level ("L3+ckpt"), alone meaning L0 with it.
-MODIFIERS = ("ckpt", "offload")
+MODIFIERS = ("ckpt", "offload", "lce")
 
 
 @dataclass(frozen=True)
 class Config:
-    """A level, with activation checkpointing and/or CPU offload of every saved tensor."""
+    """A level, with activation checkpointing, CPU offload of every saved tensor and/or a
+    causal LM's loss in chunks."""
 
     level: Level
     checkpoint: bool = False
     offload: bool = False
+    # the head and loss in chunks (:func:`actune.chunk_loss`) at an exact level; a
+    # compressing level has it already (this is then False, and the name shows no "+lce")
+    chunked_loss: bool = False
     # with ``checkpoint``: the blocks (by their names in the model) that run whole, not
     # checkpointed (:mod:`actune.tune.selective` leaves out those whose recomputation sets the
     # peak); the configuration's name does not change
     whole: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.chunked_loss and not self.level.exact:
+            object.__setattr__(self, "chunked_loss", False)  # (the level has it: one name)
+
+    @property
+    def chunks_loss(self) -> bool:
+        """Does a causal LM's step compute its loss in chunks (see :attr:`chunked_loss`)?"""
+        return self.chunked_loss or not self.level.exact
+
     @property
     def name(self) -> str:
-        mods = [m for m, on in zip(MODIFIERS, (self.checkpoint, self.offload), strict=True) if on]
+        flags = (self.checkpoint, self.offload, self.chunked_loss)
+        mods = [m for m, on in zip(MODIFIERS, flags, strict=True) if on]
         return "+".join(mods if self.level is L0 and mods else [self.level.name, *mods])
 
     def to_json(self) -> dict:
         return {"level": self.level.to_json(), "checkpoint": self.checkpoint,
-                "offload": self.offload, "whole": list(self.whole)}
+                "offload": self.offload, "chunked_loss": self.chunked_loss,
+                "whole": list(self.whole)}
 
     @classmethod
     def from_json(cls, data: dict) -> Config:
         return cls(Level.from_json(data["level"]), bool(data["checkpoint"]),
-                   bool(data["offload"]), tuple(data.get("whole", ())))
+                   bool(data["offload"]), bool(data.get("chunked_loss", False)),
+                   tuple(data.get("whole", ())))
 
     @property
     def run_level(self) -> Level:
@@ -97,9 +116,9 @@ def _from_meta(packed) -> torch.Tensor:
 
 
 def parse_configs(text: str) -> list[Config]:
-    """Configurations from ``"L0-L5"``, ``"L0,L3,ckpt,L3+ckpt,offload"``: levels as
-    :func:`actune.parse_levels` reads them, each optionally with ``+ckpt`` and/or
-    ``+offload``; ``ckpt`` or ``offload`` alone is L0 with it."""
+    """Configurations from ``"L0-L5"``, ``"L0,L3,ckpt,L3+ckpt,offload,lce"``: levels as
+    :func:`actune.parse_levels` reads them, each optionally with ``+ckpt``, ``+offload``
+    and/or ``+lce``; a modifier alone is L0 with it."""
     out: list[Config] = []
     for part in filter(None, (p.strip() for p in text.replace(" ", "").split(","))):
         tokens = part.split("+")
@@ -111,10 +130,11 @@ def parse_configs(text: str) -> list[Config]:
         levels = parse_levels(rest[0]) if rest else [L0]
         if mods and len(levels) > 1:
             raise ValueError(f"{part!r}: a modifier goes with one level (L3+ckpt), not a range")
-        out.extend(Config(lv, "ckpt" in mods, "offload" in mods) for lv in levels)
+        out.extend(Config(lv, "ckpt" in mods, "offload" in mods, "lce" in mods)
+                   for lv in levels)
     if not out:
         raise ValueError(f"no levels in {text!r}; valid levels: L0-L5, u2, 2b, and ckpt, "
-                         f"offload, L3+ckpt")
+                         f"offload, lce, L3+ckpt")
     return list(dict.fromkeys(out))
 
 

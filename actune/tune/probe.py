@@ -150,7 +150,7 @@ def _shared_key(trial: Trial) -> tuple | None:
     if trial.mode != "estimate" or trial.sharding is not None:
         return None
     return (id(trial.workload), tuple(sorted(trial.sizes.items())), trial.config.checkpoint,
-            trial.config.whole, trial.device)
+            trial.config.whole, trial.config.chunks_loss, trial.device)
 
 
 def warm_up(trial: Trial) -> None:
@@ -166,9 +166,12 @@ def blocks_of(workload: Workload, model: torch.nn.Module) -> list[torch.nn.Modul
 
 
 def prepare(workload: Workload, config: Config, model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` made ready for ``config``'s steps: batch norms allowed in place, and its
-    blocks checkpointed if the configuration asks for it."""
+    """``model`` made ready for ``config``'s steps: batch norms allowed in place, a causal
+    LM's loss in chunks where the configuration has it (as :func:`actune.compress` does at a
+    compressing level), and its blocks checkpointed if the configuration asks for it."""
     actune.allow_inplace_norms(model)
+    if config.chunks_loss:
+        actune.chunk_loss(model)
     if config.checkpoint:
         apply_checkpointing(model, blocks_of(workload, model), whole=config.whole)
     return model

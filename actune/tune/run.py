@@ -230,8 +230,9 @@ def _each_level(report: Report, levels: list, settings: Settings, on_level: Call
     rows: dict[int, LevelResult] = {}
     done: list[tuple[Config, LevelResult]] = []
     with _sharded(settings):
-        if workers > 1 and warm is not None:  # one model with checkpointing, one without
-            for config in {configs[i].checkpoint: configs[i] for i in searched}.values():
+        if workers > 1 and warm is not None:  # one model per way of preparing it
+            for config in {(configs[i].checkpoint, configs[i].chunks_loss): configs[i]
+                           for i in searched}.values():
                 warm_up(warm(config))
         try:
             for k, row in run_searches([configs[i] for i in searched], search, on_probe,

@@ -73,15 +73,24 @@ def test_dropout_off_the_cpu_is_replayed_in_the_recomputation(monkeypatch):
         assert relative_error(g, e) < 0.02
 
 
+@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("case", [*CASES, "bias"])
-def test_dropout_on_the_cpu_is_pytorchs_math_with_a_mask_drawn_again(case, monkeypatch):
+def test_dropout_on_the_cpu_is_pytorchs_math_with_a_mask_drawn_again(case, sliced,
+                                                                     monkeypatch):
+    import actune.rules.attention as rule
+
+    if sliced:  # one sample's maps at a time, forward and backward
+        monkeypatch.setattr(rule, "MAP_SLICE", 4 * 32 * 32)
     inputs = qkv(kv_heads=2 if case == "gqa" else 4)
     kwargs = dict(CASES.get(case, {}), dropout_p=0.3)
     if case == "bias":
         kwargs["attn_mask"] = torch.randn(4, 32, 32, requires_grad=True)
         inputs = (*inputs, kwargs["attn_mask"])
     masks = []
-    import actune.rules.attention as rule
+    sliced_calls = []
+    rule_math = rule._math
+    monkeypatch.setattr(rule, "_math", lambda *a, **k: sliced_calls.append(a[0].shape[0])
+                        or rule_math(*a, **k))
 
     def spied(*args):
         masks.append(rule_keep(*args))
@@ -95,6 +104,7 @@ def test_dropout_on_the_cpu_is_pytorchs_math_with_a_mask_drawn_again(case, monke
     torch.manual_seed(99)  # the torch stream does not matter: the mask is drawn from a seed
     got = torch.autograd.grad(y, inputs, g)
     assert len(masks) == 2 and torch.equal(masks[0], masks[1])  # drawn again in backward
+    assert sliced_calls == ([1, 1, 1, 1] if sliced and case != "bias" else [2, 2])
     assert 0.65 < masks[0].float().mean() < 0.75
     math = dict(kwargs, dropout_mask=masks[0])
     math.pop("dropout_p")

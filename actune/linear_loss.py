@@ -1,0 +1,236 @@
+"""The LM head and its cross entropy in chunks of tokens: the logits are never whole.
+
+``cross_entropy(hidden @ weight.T + bias, target)`` over a vocabulary of ``V`` words holds
+``tokens x V`` floats of logits, their log-probabilities and, in backward, their gradient: for a
+small language model the largest tensors of a step (Cut Cross-Entropy, Wijmans et al., 2024;
+Liger-Kernel's fused linear cross entropy). :func:`linear_cross_entropy` computes the same loss
+one chunk of tokens at a time, forward and backward:
+
+* a summed or averaged loss (what a training step takes, and what Hugging Face's models
+  compute): the loss is the root of backward, so the gradient of every token's logits,
+  ``(softmax - one_hot)`` times the same factor, is known in forward. Each chunk's is
+  multiplied at once into the hidden states' and the weight's gradients, which forward
+  keeps (exact: the size of the hidden states and of the weight); backward only scales them
+  by the incoming gradient. No logit is computed twice (Liger-Kernel's fused linear cross
+  entropy does the same);
+* per-token losses (``reduction="none"``), whose gradient is known only in backward: forward
+  keeps the hidden states, and backward computes each chunk's logits again. Under
+  :func:`actune.compressed` at a compressing level the hidden states are then kept at the
+  level's ``nonlinear_bits`` (8 at L2-L5: backward reads them through the softmax of the
+  recomputed logits, where rounding leaves a small bias, as for attention's q and k); exact
+  where that width is unset and outside any compressed block.
+
+Kept exact, the loss and gradients are the unfused ops' to float tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.hooks import _session
+from actune.saved import check_double_backward, take
+
+__all__ = ["CHUNK_ELEMENTS", "linear_cross_entropy"]
+
+#: The most logits one chunk holds while the hidden states are smaller (a float32 chunk of
+#: 16 MiB): a chunk's logits, probabilities and gradient are then small beside what the step
+#: keeps. Where the hidden states are larger, a chunk holds about as many logits as they hold
+#: values (the chunk count is ``vocabulary / hidden size``, as Liger-Kernel sizes its chunks),
+#: so a long batch is not cut into thousands of tiny matmuls.
+CHUNK_ELEMENTS = 1 << 22
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def chunk_rows(tokens: int, hidden: int, vocabulary: int) -> int:
+    """Tokens per chunk (see :data:`CHUNK_ELEMENTS`)."""
+    by_budget = CHUNK_ELEMENTS // max(vocabulary, 1)
+    by_share = math.ceil(tokens * hidden / max(vocabulary, 1))
+    return max(1, min(tokens, max(by_budget, by_share)))
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: torch.Tensor | None = None, *, ignore_index: int = -100,
+                         reduction: str = "mean", softcap: float | None = None,
+                         divide_by: torch.Tensor | float | None = None) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), target)`` without the whole logits.
+
+    ``hidden``: ``(..., H)``; ``weight``: ``(V, H)``; ``target``: class indices of
+    ``hidden``'s leading shape (``ignore_index`` where no loss is taken). ``softcap``: the
+    logits pass through ``softcap * tanh(logits / softcap)`` first (Gemma's final logit
+    soft-capping). ``reduction`` as PyTorch's; ``divide_by``: with ``"sum"``, the total is
+    divided by it (Hugging Face's ``num_items_in_batch`` under gradient accumulation).
+    Returns float32, as a loss computed from upcast logits is.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, not {reduction!r}")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden states of width {hidden.shape[-1]} do not match a weight of "
+                         f"shape {tuple(weight.shape)} (vocabulary x hidden size)")
+    if target.shape != hidden.shape[:-1]:
+        raise ValueError(f"target shape {tuple(target.shape)} does not match the hidden "
+                         f"states' leading shape {tuple(hidden.shape[:-1])}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1).to(h.device)
+    if reduction == "none":
+        losses = LinearCrossEntropy.apply(h, weight, bias, t, ignore_index, softcap,
+                                          _kept_bits())
+        return losses.reshape(target.shape)
+    total = SummedLinearCrossEntropy.apply(h, weight, bias, t, ignore_index, softcap)
+    if reduction == "sum":
+        return total if divide_by is None else total / divide_by
+    return total / (t != ignore_index).sum()
+
+
+def _kept_bits() -> int | None:
+    """The bits the hidden states are kept at: the innermost compressed block's
+    ``nonlinear_bits`` where it compresses what is saved now (None: exact)."""
+    s = _session()
+    return s.level.nonlinear_bits if s.fusing() else None
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
+    """A chunk's float32 logits (after soft-capping), the ``tanh`` of the capping (None
+    without) and the dtype the product ran in (autocast's, or the operands')."""
+    z = F.linear(h, weight, bias)
+    dtype = z.dtype
+    z = z.float()
+    if softcap is None:
+        return z, None, dtype
+    capped = torch.tanh(z.div_(softcap))
+    return capped * softcap, capped, dtype
+
+
+def _logit_gradient(z: torch.Tensor, capped: torch.Tensor | None, target: torch.Tensor,
+                    coef: torch.Tensor) -> torch.Tensor:
+    """d loss / d (the head's output) of a chunk, in place of its capped logits ``z``:
+    ``coef * (softmax(z) - one_hot(target))``, through the soft cap's ``1 - tanh^2``."""
+    d = torch.softmax(z, 1)
+    d.scatter_add_(1, target[:, None], torch.full_like(coef, -1.0)).mul_(coef)
+    if capped is not None:
+        d.mul_(capped.square_().neg_().add_(1))
+    return d
+
+
+class SummedLinearCrossEntropy(torch.autograd.Function):
+    """The summed cross entropy of ``F.linear(h, weight, bias)`` (``h``: ``(N, H)``), its
+    gradients computed chunk by chunk in forward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, ignore_index, softcap):
+        n = h.shape[0]
+        rows = chunk_rows(n, h.shape[1], weight.shape[0])
+        valid = target != ignore_index
+        safe = torch.where(valid, target, 0)
+        coef = valid.to(torch.float32)[:, None]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if need_b else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        w = None
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            hc = h[start:stop]
+            z, capped, dtype = _logits(hc, weight, bias, softcap)
+            picked = z.gather(1, safe[start:stop, None])
+            total += (torch.logsumexp(z, 1, keepdim=True) - picked).mul_(coef[start:stop]).sum()
+            d = _logit_gradient(z, capped, safe[start:stop], coef[start:stop])
+            del z, capped
+            if grad_h is not None:
+                w = weight.to(dtype) if w is None else w
+                torch.mm(d.to(dtype), w, out=grad_h[start:stop]) if dtype == h.dtype \
+                    else grad_h[start:stop].copy_(d.to(dtype) @ w)
+            if grad_w is not None:
+                grad_w.addmm_(d.t(), hc.float())
+            if grad_b is not None:
+                grad_b.add_(d.sum(0))
+            del d
+        s = _session()
+        keep = (lambda t, label: s.keep_exact(t, label)) if s.fusing() else (lambda t, _: t)
+        ctx.grads = tuple(None if g is None else keep(g, label) for g, label in (
+            (grad_h, "lm_head gradient"), (grad_w, "lm_head weight gradient"),
+            (grad_b, "lm_head bias gradient")))
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        grads = take(ctx, "grads")
+        out = [None if g is None else g.mul(grad.to(g.dtype)).to(dtype)
+               for g, dtype in zip(grads, ctx.dtypes, strict=True)]
+        return (*out, None, None, None)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy of ``F.linear(h, weight, bias)`` (``h``: ``(N, H)``), chunk by
+    chunk; backward recomputes each chunk's logits (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, ignore_index, softcap, bits):
+        n = h.shape[0]
+        rows = chunk_rows(n, h.shape[1], weight.shape[0])
+        valid = target != ignore_index
+        safe = torch.where(valid, target, 0)
+        losses = torch.empty(n, dtype=torch.float32, device=h.device)
+        dtype = h.dtype
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            z, _, dtype = _logits(h[start:stop], weight, bias, softcap)
+            picked = z.gather(1, safe[start:stop, None]).squeeze(1)
+            losses[start:stop] = torch.logsumexp(z, 1).sub_(picked)
+            del z
+        losses.mul_(valid)
+        ctx.rows, ctx.softcap, ctx.ignore_index, ctx.dtype = rows, softcap, ignore_index, dtype
+        ctx.has_bias = bias is not None
+        s = _session()
+        if bits is not None and any(ctx.needs_input_grad[:3]):
+            s.count(h)
+            ctx.packed = s.pack_fixed(h.detach(), bits, "lm_head", by_feature=True)
+            ctx.save_for_backward(weight, bias, safe, valid)
+        else:
+            ctx.packed = None
+            ctx.save_for_backward(weight, bias, safe, valid, h)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        if ctx.packed is not None:
+            weight, bias, safe, valid = ctx.saved_tensors
+            h = take(ctx, "packed").get()
+        else:
+            weight, bias, safe, valid, h = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        coef = grad.float() * valid  # per token: d loss / d logits = coef * (p - one_hot)
+        dtype = ctx.dtype
+        w = weight.to(dtype)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if need_b and ctx.has_bias else None
+        rows, softcap, n = ctx.rows, ctx.softcap, h.shape[0]
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            hc = h[start:stop]
+            z, capped, _ = _logits(hc, weight, bias, softcap)
+            d = _logit_gradient(z, capped, safe[start:stop], coef[start:stop, None])
+            del z, capped
+            if grad_h is not None:
+                grad_h[start:stop] = d.to(dtype) @ w
+            if grad_w is not None:
+                grad_w.addmm_(d.t(), hc.float())
+            if grad_b is not None:
+                grad_b.add_(d.sum(0))
+            del d
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
