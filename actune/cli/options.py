@@ -75,6 +75,13 @@ Jobs = Annotated[int | None, typer.Option(
 Resolution = Annotated[int | None, typer.Option(min=1, help="Input resolution (images) or "
                                                 "sequence length (tokens).", show_default=False)]
 
+LoraOpt = Annotated[int | None, typer.Option(
+    "--lora", min=1, help="LoRA adapters of this rank on the linear layers (peft), the "
+    "model's own weights frozen: no gradient, no optimizer state for them.",
+    show_default=False)]
+Tokens = Annotated[int | None, typer.Option(
+    "--tokens", "--seq-len", min=1, help="Sequence length of a language model (what "
+    "--resolution sets for it).", show_default=False)]
 BenchResolution = Annotated[int | None, typer.Option(
     min=1, help="Input resolution (images) or sequence length (tokens); default 32 for the "
     "built-in models (a quick run), a model file's own default for a file.",

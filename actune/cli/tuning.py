@@ -32,6 +32,7 @@ from actune.cli.options import (
     Jobs,
     JsonOpt,
     Levels,
+    LoraOpt,
     MarginOpt,
     ModelFile,
     ModelName,
@@ -41,6 +42,7 @@ from actune.cli.options import (
     Quiet,
     Resolution,
     Shard,
+    Tokens,
     WorldSize,
 )
 from actune.cli.workloads import check_backend, compile_answers, setup
@@ -130,12 +132,14 @@ def maxbatch(
     hf: HfSpec = None,
     hf_class: HfClass = None,
     precision: PrecisionOpt = None,
+    lora: LoraOpt = None,
     levels: Levels = "L0-L5",
     budget: BudgetOpt = None,
     mode: ModeOpt = None,
     device_profile: DeviceProfileOpt = None,
     margin: MarginOpt = None,
     resolution: Resolution = None,
+    tokens: Tokens = None,
     multiple_of: Annotated[int, typer.Option(min=1, help="Round batches to this.")] = 1,
     max_batch: Annotated[int | None, typer.Option("--max", min=1, help="Largest batch to "
                                                   "try.", show_default=False)] = None,
@@ -157,9 +161,9 @@ def maxbatch(
             _require_matplotlib()
         workload, level_list, settings = setup(model_file, model, levels, budget, mode,
                                                 world_size, shard, jobs, hf, hf_class,
-                                                precision, device_profile, margin)
+                                                precision, device_profile, margin, lora)
         compile_answers(settings, compile_, compile_backend)
-        sizes = {"resolution": resolution} if resolution else {}
+        sizes = _sizes(workload, resolution, tokens)
         t0 = time.perf_counter()
         report = _run_job(run.maxbatch, level_list, quiet, json_path, workload=workload,
                           settings=settings, sizes=sizes,
@@ -173,11 +177,13 @@ def maxbatch(
 @app.command(cls=Command)
 def scale(
     model_file: ModelFile = None,
-    dim: Annotated[str, typer.Option(help="depth, width or resolution.")] = "depth",
+    dim: Annotated[str, typer.Option(help="depth, width, resolution, or tokens (seq-len) for "
+                                     "a language model.")] = "depth",
     model: ModelName = "resnet152",
     hf: HfSpec = None,
     hf_class: HfClass = None,
     precision: PrecisionOpt = None,
+    lora: LoraOpt = None,
     batch: Annotated[int, typer.Option(min=1, help="The batch size to hold fixed.")] = 64,
     levels: Levels = "L0-L5",
     budget: BudgetOpt = None,
@@ -186,9 +192,10 @@ def scale(
     margin: MarginOpt = None,
     multiple_of: Annotated[int | None, typer.Option(
         min=1, help="Step of the search in units of the dimension (1/8 of the default depth "
-        "or width; pixels for resolution, default 8).", show_default=False)] = None,
+        "or width; pixels or tokens for resolution, default 8).", show_default=False)] = None,
     max_scale: Annotated[float | None, typer.Option(
-        "--max", help="Largest value to try (a multiplier, or pixels).",
+        "--max", help="Largest value to try (a multiplier, pixels or tokens; a language "
+        "model's own positions at most).",
         show_default=False)] = None,
     world_size: WorldSize = 1,
     shard: Shard = "fsdp",
@@ -199,14 +206,15 @@ def scale(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Largest depth, width or input resolution that fits, per optimization level."""
+    """Largest depth, width, input resolution or sequence length that fits, per level."""
     from actune.tune import run
 
     with errors(debug):
         workload, level_list, settings = setup(model_file, model, levels, budget, mode,
                                                 world_size, shard, jobs, hf, hf_class,
-                                                precision, device_profile, margin)
+                                                precision, device_profile, margin, lora)
         compile_answers(settings, compile_, compile_backend)
+        dim = workload.dim_of(dim)
         workload.require(dim)
         _run_job(run.scale, level_list, quiet, json_path, workload=workload,
                  settings=settings, dim=dim, batch=batch,
@@ -220,11 +228,13 @@ def bench(
     hf: HfSpec = None,
     hf_class: HfClass = None,
     precision: PrecisionOpt = None,
+    lora: LoraOpt = None,
     levels: Levels = "L0-L5",
     batch: Annotated[int, typer.Option(min=1, help="Batch size for every level.")] = 64,
     at_max: Annotated[bool, typer.Option("--at-max", help="Run each level at its own largest "
                                          "batch under the budget instead.")] = False,
     resolution: BenchResolution = None,
+    tokens: Tokens = None,
     steps: Annotated[int, typer.Option(min=1, help="Timed steps per level.")] = 5,
     warmup: Annotated[int, typer.Option(min=0, help="Untimed steps first.")] = 2,
     compile_: Annotated[bool, typer.Option(
@@ -251,16 +261,28 @@ def bench(
         check_backend(compile_backend)
         workload, level_list, settings = setup(model_file, model, levels, budget, mode, hf=hf,
                                                 hf_class=hf_class, precision=precision,
-                                                device_profile=device_profile, margin=margin)
-        if resolution is None and model_file is None and hf is None:
+                                                device_profile=device_profile, margin=margin,
+                                                lora=lora)
+        if resolution is None and tokens is None and model_file is None and hf is None:
             resolution = BENCH_BUILTIN_RESOLUTION
-        sizes = {"resolution": resolution} if resolution and "resolution" in workload.dims \
-            else {}
+        sizes = _sizes(workload, resolution, tokens) if "resolution" in workload.dims else {}
         report = _run_job(bench_job.bench, level_list, quiet, json_path, workload=workload,
                           settings=settings, batch=batch, at_max=at_max,
                           sizes=sizes, steps=steps, warmup=max(warmup, 1 if compile_ else 0),
                           answer=True, compile=compile_, compile_backend=compile_backend)
         _plot(plot, workload, level_list, settings, report, sizes, quiet)
+
+
+def _sizes(workload, resolution: int | None, tokens: int | None) -> dict:
+    """The input size ``--resolution`` or ``--tokens`` asks for (one of them; tokens only for a
+    model that takes them)."""
+    if resolution and tokens:
+        raise UsageError("give --resolution or --tokens, not both (--tokens is a language "
+                         "model's resolution)")
+    if tokens:
+        workload.dim_of("tokens")  # (raises for an image model)
+    size = tokens or resolution
+    return {"resolution": size} if size else {}
 
 
 def _plot(plot: Path | None, workload, level_list, settings, report, sizes: dict,

@@ -11,13 +11,16 @@ from actune.cli.app import UsageError
 
 
 def load_workload(model_file: Path | None, model: str, hf: str | None = None,
-              hf_class: str | None = None, precision: str | None = None):
-    """The workload (see :func:`_source`) at ``precision`` if given."""
+                  hf_class: str | None = None, precision: str | None = None,
+                  lora: int | None = None):
+    """The workload (see :func:`_source`) at ``precision`` if given, with LoRA adapters of
+    rank ``lora`` if given."""
     work = _source(model_file, model, hf, hf_class)
     if precision is not None:
         from actune.tune.workload import check_precision
 
         work.precision = check_precision(precision)
+    work.lora = lora
     return work
 
 
@@ -52,14 +55,14 @@ def setup(model_file: Path | None, model: str, levels: str, budget: str | None,
            mode: str | None, world_size: int = 1, shard: str = "fsdp",
            jobs: int | None = None, hf: str | None = None, hf_class: str | None = None,
            precision: str | None = None, device_profile: str | None = None,
-           margin: float | None = None):
+           margin: float | None = None, lora: int | None = None):
     import torch
 
     from actune.memory import DeviceInfo, parse_budget, probe
     from actune.tune.alternatives import parse_configs
     from actune.tune.run import Settings
 
-    workload = load_workload(model_file, model, hf, hf_class, precision)
+    workload = load_workload(model_file, model, hf, hf_class, precision, lora)
     level_list = parse_configs(levels)
     info = probe()
     cuda = info.available and torch.cuda.is_available()

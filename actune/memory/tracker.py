@@ -14,6 +14,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from actune.memory.trace import TraceRecorder
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOKS = (_NoHook(), _NoHook())
+
+
 class PeakTracker(MemTracker):
     """MemTracker keeping only the whole step's peak (with its split by category) and where
     in the step it happened.
@@ -48,6 +56,19 @@ class PeakTracker(MemTracker):
 
     def _track_inputs_or_outputs(self, args) -> int:
         return 0
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        # MemTracker would put gradient hooks on every parameter, and a frozen one (LoRA's
+        # base weights) refuses them: it is marked as hooked for the call, and has no gradient
+        frozen = [p for p in module.parameters() if not p.requires_grad
+                  and p not in self._param_to_grad_hook_handles]
+        for p in frozen:
+            self._param_to_grad_hook_handles[p] = _NO_HOOKS
+        try:
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+        finally:
+            for p in frozen:
+                self._param_to_grad_hook_handles.pop(p, None)
 
     def _pre_fw_hook(self, module, inputs) -> None:
         self._enter(module)

@@ -71,7 +71,7 @@ def timed_rounds(workload: Workload, runs: list[tuple], sizes: dict, device: str
         torch.manual_seed(0)
         with torch.device(device):
             model = prepare(workload, get_config(level), workload.model(**sizes))
-            opt = workload.optimizer(model.parameters())
+            opt = workload.make_optimizer(model)
             inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
         if compiled and compiled[0]:  # (its first steps, the warm-up, compile it)
             model = torch.compile(model, backend=backend)

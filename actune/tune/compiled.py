@@ -83,7 +83,7 @@ def compiled_peak(workload: Workload, config: Config, sizes: dict, batch: int,
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = prepare(workload, config, workload.model(**sizes))
-        opt = workload.optimizer(model.parameters())
+        opt = workload.make_optimizer(model)
         inputs, targets = workload.make_batch(batch, sizes.get("resolution"))
     run = torch.compile(model, backend=backend, dynamic=False)
 

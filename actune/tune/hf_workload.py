@@ -113,8 +113,16 @@ def _scaled(config, depth: float, width: float):
     return config
 
 
+def positions_of(config) -> int | None:
+    """The longest sequence ``config``'s model takes (its position embeddings), if it says."""
+    found = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None)
+    return found if isinstance(found, int) and found > 0 else None
+
+
 def _batch_maker(config, cls) -> tuple[Callable, int | None]:
-    """make_batch(batch, resolution) for ``cls``'s task, and its default resolution."""
+    """make_batch(batch, resolution) for ``cls``'s task, and its default resolution (pixels
+    for an image model, else tokens)."""
     name = cls.__name__
     vocab = getattr(config, "vocab_size", None) or 2
     positions = getattr(config, "max_position_embeddings", None) or getattr(
@@ -172,5 +180,7 @@ def hf_workload(spec: str, class_name: str | None = None) -> Workload:
     dims = {"depth": 1.0, "width": 1.0}
     if resolution is not None:
         dims["resolution"] = resolution
+    images = "pixel_values" in batch(1)[0]
     return Workload(f"{Path(str(name)).name or cls.__name__} ({cls.__name__})", build_model,
-                    batch, dims=dims, source=source)
+                    batch, dims=dims, source=source, tokens=not images,
+                    max_resolution=None if images else positions_of(config))

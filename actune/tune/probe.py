@@ -67,9 +67,12 @@ class Trial:
             model = prepare(wl, config, wl.model(self.mode != "estimate", **sizes))
             if mesh is not None:
                 shard(model, sharding, blocks_of(wl, model), mesh)
-            return model, wl.optimizer(model.parameters())
+            return model, wl.make_optimizer(model)
 
         def step(model, opt, batch, sink):
+            # (a model shared by the trials of several configurations: the loss path as
+            # this one has it; nothing for a model that is not a causal LM)
+            actune.chunk_loss(model, on=config.chunks_loss)
             inputs, targets = wl.make_batch(batch, sizes.get("resolution"))
             opt.zero_grad(set_to_none=True)
             with actune.compressed(config.run_level, stats=sink), config.saving(device):
@@ -150,7 +153,7 @@ def _shared_key(trial: Trial) -> tuple | None:
     if trial.mode != "estimate" or trial.sharding is not None:
         return None
     return (id(trial.workload), tuple(sorted(trial.sizes.items())), trial.config.checkpoint,
-            trial.config.whole, trial.config.chunks_loss, trial.device)
+            trial.config.whole, trial.device)
 
 
 def warm_up(trial: Trial) -> None:
@@ -179,6 +182,7 @@ def prepare(workload: Workload, config: Config, model: torch.nn.Module) -> torch
 
 def _isolated(trial: Trial, batch: int) -> Peak:  # pragma: no cover - needs a GPU
     spec = json.dumps({"source": trial.workload.source, "precision": trial.workload.precision,
+                       "lora": trial.workload.lora,
                        "config": trial.config.to_json(),
                        "sizes": trial.sizes, "batch": batch, "device": trial.device})
     try:
@@ -198,6 +202,7 @@ def _main(argv: list[str]) -> int:  # pragma: no cover - runs in the isolated su
     spec = json.loads(argv[0])
     workload = from_source(spec["source"])
     workload.precision = spec.get("precision", "32-true")
+    workload.lora = spec.get("lora")
     trial = Trial(workload, Config.from_json(spec["config"]), spec["sizes"], "measure",
                   spec["device"])
     history = os.environ.get("ACTUNE_MEMORY_HISTORY")  # a path: the allocator's own trace

@@ -152,9 +152,10 @@ def maxbatch(workload: Workload, levels: list, settings: Settings, *,
     """Largest batch per level (or configuration, :mod:`actune.tune.alternatives`) under the
     budget."""
     sizes = sizes or {}
+    shown = {workload.label(k): v for k, v in sizes.items()}  # (a language model's tokens)
     report = Report("maxbatch", workload.name, settings.device_name, settings.budget.bytes,
                     settings.budget.source, settings.mode, "batch",
-                    {**sizes, **settings.fixed}, precision=workload.precision,
+                    {**shown, **settings.fixed}, precision=workload.precision,
                     **settings.report_fields)
     _each_level(report, levels, settings, on_level, on_probe,
                 lambda level, probed: _maxbatch_level(workload, level, settings, sizes, start,
@@ -230,9 +231,8 @@ def _each_level(report: Report, levels: list, settings: Settings, on_level: Call
     rows: dict[int, LevelResult] = {}
     done: list[tuple[Config, LevelResult]] = []
     with _sharded(settings):
-        if workers > 1 and warm is not None:  # one model per way of preparing it
-            for config in {(configs[i].checkpoint, configs[i].chunks_loss): configs[i]
-                           for i in searched}.values():
+        if workers > 1 and warm is not None:  # one model with checkpointing, one without
+            for config in {configs[i].checkpoint: configs[i] for i in searched}.values():
                 warm_up(warm(config))
         try:
             for k, row in run_searches([configs[i] for i in searched], search, on_probe,
@@ -372,19 +372,25 @@ def scale(workload: Workload, levels: list, settings: Settings, dim: str, batch:
           *, multiple_of: int | None = None, maximum: float | None = None,
           on_probe: Callable | None = None,
           on_level: Callable[[Report], None] | None = None) -> Report:
-    """Largest ``dim`` (depth, width or resolution) per level at a fixed batch."""
+    """Largest ``dim`` (depth, width or resolution; ``tokens`` for a language model) per
+    level at a fixed batch."""
+    dim = workload.dim_of(dim)
     workload.require(dim)
+    label = workload.label(dim)
     unit = SCALE_UNITS[dim]
     default = workload.dims[dim]
     start = max(1, round(default / unit))
     step = multiple_of or (8 if dim == "resolution" else 1)
     cap = round(maximum / unit) if maximum else None
+    if dim == "resolution" and workload.max_resolution:  # (its position embeddings)
+        cap = min(cap or workload.max_resolution, workload.max_resolution)
     if cap is not None and cap < step:
-        smallest = f"{step * unit:g}x" if dim != "resolution" else f"{step} pixels"
-        raise ValueError(f"--max {maximum:g} is below the smallest {dim} step ({smallest}); "
-                         f"give a larger --max")
+        smallest = f"{step * unit:g}x" if dim != "resolution" else \
+            f"{step} {'tokens' if workload.tokens else 'pixels'}"
+        raise ValueError(f"--max {maximum or cap:g} is below the smallest {label} step "
+                         f"({smallest}); give a larger --max")
     report = Report("scale", workload.name, settings.device_name, settings.budget.bytes,
-                    settings.budget.source, settings.mode, dim,
+                    settings.budget.source, settings.mode, label,
                     {"batch": batch, **settings.fixed}, precision=workload.precision,
                     **settings.report_fields)
 

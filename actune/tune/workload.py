@@ -44,6 +44,18 @@ __all__ = ["DIMENSIONS", "PRECISIONS", "Workload", "WorkloadError", "builtin", "
            "first_line", "from_source", "load"]
 
 DIMENSIONS = ("depth", "width", "resolution")
+#: What ``scale --dim`` also accepts for a model that takes tokens: its resolution, named as
+#: a language model's user names it.
+TOKEN_NAMES = ("tokens", "seq-len")
+
+
+def _adapted(model: nn.Module, rank: int) -> nn.Module:
+    from actune.tune.adapters import with_lora
+
+    try:
+        return with_lora(model, rank)
+    except ImportError:
+        raise WorkloadError("--lora needs peft: pip install 'actune[peft]'") from None
 
 
 def check_precision(precision: str) -> str:
@@ -75,6 +87,28 @@ class Workload:
     #: how the step runs (:data:`PRECISIONS`): autocast around forward and loss ("bf16-mixed",
     #: "16-mixed", with a GradScaler in real steps), or the model cast ("bf16-true")
     precision: str = "32-true"
+    #: LoRA adapters of this rank on the linear layers, the model's own weights frozen
+    #: (``--lora``, :mod:`actune.tune.adapters`); None: every weight trains
+    lora: int | None = None
+    #: the resolution is a sequence length (a language model): reports and JSON say "tokens"
+    tokens: bool = False
+    #: the largest resolution the model takes (a language model's positions), if it has one
+    max_resolution: int | None = None
+
+    def label(self, dim: str) -> str:
+        """What reports call ``dim`` for this model ("tokens" for a language model's
+        resolution)."""
+        return "tokens" if dim == "resolution" and self.tokens else dim
+
+    def dim_of(self, name: str) -> str:
+        """The dimension a user's ``name`` means (``tokens`` or ``seq-len``: the resolution of
+        a model that takes tokens); raises WorkloadError for an image model's tokens."""
+        if name not in TOKEN_NAMES:
+            return name
+        if not self.tokens:
+            raise WorkloadError(f"{self.name} does not take tokens; for its input size use "
+                                f"resolution (--dim resolution, --resolution)")
+        return "resolution"
 
     def dataset(self, resolution: int | None = None) -> Dataset:
         """The workload's training and test data (``make_dataset`` of a model file)."""
@@ -113,12 +147,19 @@ class Workload:
             else:
                 with _ShapesOnly():
                     model = self._call("build_model()", self.factory, **kwargs)
+            if dtype is not None and any(p.is_floating_point() and p.dtype != dtype
+                                         for p in model.parameters()):
+                model = cast_model(self.precision, model)
+            if self.lora:  # (its adapters made in the model's dtype: nothing cast after)
+                model = self._call(f"--lora {self.lora}", _adapted, model, self.lora)
         finally:
             torch.set_default_dtype(default)
-        if dtype is not None and any(p.is_floating_point() and p.dtype != dtype
-                                     for p in model.parameters()):
-            model = cast_model(self.precision, model)
         return model
+
+    def make_optimizer(self, model: nn.Module):
+        """The optimizer of ``model``'s trainable parameters (a frozen weight has no state)."""
+        return self._call("make_optimizer(parameters)", self.optimizer,
+                          [p for p in model.parameters() if p.requires_grad])
 
     def make_batch(self, batch: int, resolution=None) -> tuple:
         """A batch of ``batch`` samples, its tensors on the current default device (the one a
@@ -173,7 +214,8 @@ class Workload:
     def require(self, dim: str) -> None:
         """Raise if ``dim`` is not a scalable keyword of the factory."""
         if dim not in DIMENSIONS:
-            raise WorkloadError(f"--dim must be one of {', '.join(DIMENSIONS)}, not {dim!r}.")
+            raise WorkloadError(f"--dim must be one of {', '.join(DIMENSIONS)} (tokens for a "
+                                f"language model), not {dim!r}.")
         if dim not in self.dims:
             have = ", ".join(self.dims) or "none"
             raise WorkloadError(
@@ -204,7 +246,7 @@ class Workload:
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise WorkloadError(f"{self.name}: loss_fn must return a scalar tensor, got "
                                     f"{_describe(loss)}.")
-            self._call("make_optimizer(parameters)", self.optimizer, model.parameters())
+            self.make_optimizer(model)
 
     def _call(self, what: str, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``; an error becomes a WorkloadError naming ``what`` raised it,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from actune.cli import app
@@ -153,3 +154,87 @@ def test_a_vision_config_gets_pixel_values_at_its_image_size(tmp_path):
     assert inputs["pixel_values"].shape == (2, 3, 32, 32) and int(inputs["labels"].max()) < 5
     loss = work.step_loss(work.model(), inputs, None)
     assert loss.dim() == 0 and loss.requires_grad
+
+
+def test_tokens_are_a_language_models_resolution(configs):
+    out = configs / "tokens.json"
+    result = runner.invoke(app, ["maxbatch", "--hf", str(configs / "gpt2"), "--tokens", "64",
+                                 "--levels", "L0,lce,L3", "--budget", "256MiB", "--json",
+                                 str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["fixed"]["tokens"] == 64 and "resolution" not in report["fixed"]
+    assert "tokens 64" in result.output
+    l0, lce, l3 = (r["value"] for r in report["levels"])
+    assert 0 < l0 <= lce < l3  # the loss in chunks: lce exact, and every compressing level
+
+
+def test_scale_finds_the_longest_sequence_within_the_models_positions(configs):
+    out = configs / "longest.json"
+    result = runner.invoke(app, ["scale", "--dim", "tokens", "--hf", str(configs / "llama"),
+                                 "--batch", "2", "--levels", "L0,L3", "--budget", "2MiB",
+                                 "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["dim"] == "tokens" and "max tokens" in result.output
+    l0, l3 = (r["value"] for r in report["levels"])
+    assert 0 < l0 < l3 <= 128  # (the config's max_position_embeddings)
+    roomy = runner.invoke(app, ["scale", "--dim", "seq-len", "--hf", str(configs / "llama"),
+                                "--batch", "1", "--levels", "L3", "--budget", "16GiB",
+                                "--json", str(out)])
+    assert roomy.exit_code == 0, roomy.output
+    row = json.loads(out.read_text())["levels"][0]
+    assert row["value"] == 128 and row["capped"]
+
+
+def test_tokens_for_an_image_model_or_with_a_resolution_are_refused(tmp_path, configs):
+    transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                              num_labels=3, image_size=32,
+                              architectures=["ResNetForImageClassification"]
+                              ).save_pretrained(tmp_path)
+    result = runner.invoke(app, ["scale", "--dim", "tokens", "--hf", str(tmp_path)])
+    assert result.exit_code == 2 and "doesnottaketokens" in flat(result.output)
+    result = runner.invoke(app, ["maxbatch", "--hf", str(tmp_path), "--tokens", "64"])
+    assert result.exit_code == 2 and "doesnottaketokens" in flat(result.output)
+    result = runner.invoke(app, ["maxbatch", "--hf", str(configs / "gpt2"), "--tokens", "64",
+                                 "--resolution", "64"])
+    assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_lora_freezes_the_base_weights_and_fits_more(configs):
+    pytest.importorskip("peft")
+    out = configs / "lora.json"
+    args = ["maxbatch", "--hf", str(configs / "llama"), "--tokens", "64", "--levels", "L0,L3",
+            "--budget", "4MiB", "--json", str(out)]
+    plain = runner.invoke(app, args)
+    assert plain.exit_code == 0, plain.output
+    full = json.loads(out.read_text())["levels"]
+    adapted = runner.invoke(app, [*args, "--lora", "4"])
+    assert adapted.exit_code == 0, adapted.output
+    lora = json.loads(out.read_text())["levels"]
+    assert lora[0]["value"] > full[0]["value"]  # L0: 3 -> 4 here
+    for f, a in zip(full, lora, strict=True):
+        assert a["value"] >= f["value"]
+        # no gradient and no optimizer state for the frozen weights: the adapters' alone
+        assert a["peak_parts"]["optimizer"] < f["peak_parts"]["optimizer"] / 10
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_a_lora_workload_trains_only_its_adapters(configs, precision):
+    pytest.importorskip("peft")
+    work = hf_workload(str(configs / "llama"))
+    work.precision, work.lora = precision, 4
+    model = work.model()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert not any("lm_head" in n for n in trainable)  # (the output layer takes none)
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    opt = work.make_optimizer(model)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(trainable)
+
+
+def test_lora_on_a_model_without_linear_layers_says_so(tmp_path):
+    pytest.importorskip("peft")
+    result = runner.invoke(app, ["maxbatch", "--model", "tinycnn", "--lora", "4"])
+    assert result.exit_code == 2 and "nolinearlayertoputadapterson" in flat(result.output)
