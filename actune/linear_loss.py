@@ -29,6 +29,7 @@ import math
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch._subclasses.fake_tensor import FakeTensor
 
 from actune.hooks import _session
 from actune.saved import check_double_backward, take
@@ -43,6 +44,12 @@ __all__ = ["CHUNK_ELEMENTS", "linear_cross_entropy"]
 CHUNK_ELEMENTS = 1 << 22
 
 _REDUCTIONS = ("mean", "sum", "none")
+
+
+def _starts(h: torch.Tensor, rows: int) -> range:
+    """The first token of each chunk; in an estimate (fake tensors) the first chunk's alone:
+    every chunk allocates and frees the same, so one gives the step's peak."""
+    return range(0, rows if isinstance(h, FakeTensor) else h.shape[0], rows)
 
 
 def chunk_rows(tokens: int, hidden: int, vocabulary: int) -> int:
@@ -136,7 +143,7 @@ class SummedLinearCrossEntropy(torch.autograd.Function):
             if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         w = None
-        for start in range(0, n, rows):
+        for start in _starts(h, rows):
             stop = min(start + rows, n)
             hc = h[start:stop]
             z, capped, dtype = _logits(hc, weight, bias, softcap)
@@ -182,7 +189,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         safe = torch.where(valid, target, 0)
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
         dtype = h.dtype
-        for start in range(0, n, rows):
+        for start in _starts(h, rows):
             stop = min(start + rows, n)
             z, _, dtype = _logits(h[start:stop], weight, bias, softcap)
             picked = z.gather(1, safe[start:stop, None]).squeeze(1)
@@ -219,7 +226,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
             if need_b and ctx.has_bias else None
         rows, softcap, n = ctx.rows, ctx.softcap, h.shape[0]
-        for start in range(0, n, rows):
+        for start in _starts(h, rows):
             stop = min(start + rows, n)
             hc = h[start:stop]
             z, capped, _ = _logits(hc, weight, bias, softcap)

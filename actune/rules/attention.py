@@ -11,7 +11,10 @@ and neither the output nor the log-sum-exp: backward runs the attention forward 
 that. With dropout on the CPU (where PyTorch's only backend for it is its math one, drawing
 the mask with ``bernoulli_``) the rule computes the same math itself, the dropout mask drawn
 from a seed (:mod:`actune.random_masks`) and drawn again in backward: nothing more is kept,
-and the forward takes 0.4x of PyTorch's time there (docs/benchmarks.md).
+and the forward takes 0.4x of PyTorch's time there (docs/benchmarks.md). Under autocast too
+(the recomputation replays it). Forward and backward take a slice of the batch at a time
+where the whole batch's maps would pass :data:`MAP_SLICE`: PyTorch's math form holds the
+scores, probabilities and their gradients for all of it at once.
 
 A learned additive bias (a float ``attn_mask`` that requires grad: a relative position bias)
 gets its gradient from the same recomputation; the bias is kept as a reference when it is a
@@ -27,6 +30,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch._subclasses.fake_tensor import FakeTensor
 
 from actune.multihead import decompose
 from actune.random_masks import drawn_here, keep_mask
@@ -110,6 +114,13 @@ def _slices(q, k, v, options) -> tuple[torch.Size, int] | None:
     return (shape, step) if step < rows else None
 
 
+def _starts(q: torch.Tensor, step: int) -> range:
+    """The first row of each slice; in an estimate (fake tensors) the first slice's alone:
+    every slice allocates and frees the same, so one gives the step's peak, without
+    hundreds of shape-only ops per call."""
+    return range(0, step if isinstance(q, FakeTensor) else q.shape[0], step)
+
+
 def _sliced_options(options, rows: slice, batch: int):
     mask = options[0]
     if mask is not None and mask.dim() >= 3 and mask.shape[0] == batch and batch > 1:
@@ -126,7 +137,7 @@ def _math_forward(q, k, v, options, seed):
     shape, step = cut
     keep = keep_mask(shape, 1 - options[1], seed, q)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    for start in range(0, q.shape[0], step):
+    for start in _starts(q, step):
         rows = slice(start, start + step)
         out[rows] = _math(q[rows], k[rows], v[rows], _sliced_options(options, rows, q.shape[0]),
                           None, seed, keep[rows])
@@ -148,7 +159,7 @@ def _math_backward(inputs, needs, options, seed, grad):
     keep = keep_mask(shape, 1 - options[1], seed, q)
     grads = [torch.empty_like(t) if need else None for t, need in zip(inputs, needs,
                                                                      strict=True)]
-    for start in range(0, q.shape[0], step):
+    for start in _starts(q, step):
         rows = slice(start, start + step)
         part = [t[rows].detach().requires_grad_(need) for t, need in zip(inputs, needs,
                                                                         strict=True)]
@@ -199,7 +210,7 @@ class RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, options, level, session):
         device = q.device
-        drawn = options[1] > 0 and drawn_here(q) and not torch.is_autocast_enabled("cpu")
+        drawn = options[1] > 0 and drawn_here(q)
         ctx.seed = session.draw_seed(q) if drawn else None
         ctx.rng = _rng_state(device) if options[1] > 0 and not drawn else None
         ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),

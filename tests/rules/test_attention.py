@@ -157,6 +157,30 @@ def test_autocast(dtype):
     assert relative_error(step(level(8, nonlinear_bits=8)), exact) < 0.05
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dropout_under_autocast_is_the_math_op_with_the_seeded_mask(dtype, monkeypatch):
+    """Under CPU autocast too the mask is drawn from a seed (nothing kept, maps a slice at a
+    time); the forward is PyTorch's math op with that mask under the same autocast."""
+    import actune.rules.attention as rule
+
+    monkeypatch.setattr(rule, "MAP_SLICE", 4 * 32 * 32)
+    masks = []
+    draw = rule.keep_mask
+    monkeypatch.setattr(rule, "keep_mask", lambda *a: masks.append(draw(*a)) or masks[-1])
+    q, k, v = qkv()
+    w = (torch.randn(16, 16, generator=torch.Generator().manual_seed(3)) / 4).requires_grad_()
+    with torch.autocast("cpu", dtype=dtype), actune.compressed(level(8, nonlinear_bits=8)):
+        out = F.scaled_dot_product_attention(q @ w, k @ w, v @ w, dropout_p=0.2)
+    got = torch.autograd.grad(out.float().square().sum(), w)[0]
+    assert len(masks) == 2 and torch.equal(masks[0], masks[1])
+    with torch.autocast("cpu", dtype=dtype):
+        ref = torch.ops.aten._scaled_dot_product_attention_math(
+            q @ w, k @ w, v @ w, dropout_p=0.2, dropout_mask=masks[0])[0]
+    assert relative_error(out.float(), ref.float()) < 0.02
+    exact = torch.autograd.grad(ref.float().square().sum(), w)[0]
+    assert relative_error(got, exact) < 0.05
+
+
 @pytest.mark.parametrize("backend", ["MATH", "FLASH_ATTENTION"])
 def test_every_cpu_backend(backend):
     """The CPU build picks the math or the flash kernel; both go through the rule (the CUDA

@@ -238,3 +238,24 @@ def test_lora_on_a_model_without_linear_layers_says_so(tmp_path):
     pytest.importorskip("peft")
     result = runner.invoke(app, ["maxbatch", "--model", "tinycnn", "--lora", "4"])
     assert result.exit_code == 2 and "nolinearlayertoputadapterson" in flat(result.output)
+
+
+def test_an_estimate_runs_one_slice_and_finds_the_peak_of_all(configs, monkeypatch):
+    """Every slice of the attention's maps and every chunk of the loss allocates and frees
+    the same: an estimate runs the first alone and finds the same peak."""
+    from actune import linear_loss
+    from actune.rules import attention
+    from actune.tune import probe
+
+    monkeypatch.setattr(attention, "MAP_SLICE", 2 * 64 * 64)  # one sample's maps a slice
+    monkeypatch.setattr(linear_loss, "CHUNK_ELEMENTS", 64 * 256)  # 64 tokens a chunk
+    work = hf_workload(str(configs / "gpt2"))  # (attention dropout 0.1: the sliced path)
+
+    def peak() -> int:
+        probe._WARM.clear()
+        return probe.Trial(work, "L3", {"resolution": 64}).peak(8).total
+
+    one = peak()
+    for module in (attention, linear_loss):
+        monkeypatch.setattr(module, "_starts", lambda t, step: range(0, t.shape[0], step))
+    assert peak() == one
