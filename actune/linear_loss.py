@@ -48,8 +48,10 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def _starts(h: torch.Tensor, rows: int) -> range:
     """The first token of each chunk; in an estimate (fake tensors) the first chunk's alone:
-    every chunk allocates and frees the same, so one gives the step's peak."""
-    return range(0, rows if isinstance(h, FakeTensor) else h.shape[0], rows)
+    every chunk allocates and frees the same, so one gives the step's peak. (Traced by
+    torch.compile, whose tensors are fake too: every chunk.)"""
+    estimate = isinstance(h, FakeTensor) and not torch.compiler.is_compiling()
+    return range(0, rows if estimate else h.shape[0], rows)
 
 
 def chunk_rows(tokens: int, hidden: int, vocabulary: int) -> int:

@@ -214,3 +214,40 @@ def test_the_tuners_lce_is_the_exact_level_with_the_loss_in_chunks():
     assert l3.name == "L3" and l3.chunks_loss  # a compressing level has it
     assert not l0.chunks_loss and l0 == Config(actune.LEVELS["L0"])
     assert Config.from_json(lce.to_json()) == lce
+
+
+def test_compiled_it_computes_every_chunk(small_chunks):
+    """torch.compile traces with fake tensors, as an estimate does; an estimate computes one
+    chunk (each allocates the same), a compiled call every one."""
+    torch._dynamo.reset()
+    h, w = torch.randn(4, 30, 16, requires_grad=True), torch.randn(100, 16, requires_grad=True)
+    t = torch.randint(0, 100, (4, 30))
+    want = actune.linear_cross_entropy(h, w, t)
+    got = torch.compile(actune.linear_cross_entropy, backend="aot_eager")(h, w, t)
+    torch.testing.assert_close(got, want)
+    for e, f in zip(torch.autograd.grad(want, (h, w)), torch.autograd.grad(got, (h, w)),
+                    strict=True):
+        torch.testing.assert_close(f, e)
+
+
+def test_compress_and_compressed_on_a_lora_model_keep_few_bytes_and_close_gradients():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (4, 64))
+    model = peft.get_peft_model(MODELS["llama"](), peft.LoraConfig(
+        r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"], lora_dropout=0.0))
+    for p in model.parameters():  # (B starts at zero: give the adapters a gradient path)
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.02)
+    _, exact = _step(copy.deepcopy(model), ids, ids)
+    converted = actune.compress(copy.deepcopy(model), "u8")
+    _, found = _step(converted, ids, ids)
+    assert len(found) == len(exact) == 28
+    error = max(((f - e).norm() / e.norm()).item() for e, f in zip(exact, found, strict=True))
+    assert error < 0.05
+    stats = []
+    plain = copy.deepcopy(model)
+    with actune.compressed("L3", stats=stats.append):
+        plain(input_ids=ids, labels=ids).loss.backward()
+    assert stats[0].ratio > 6  # (9.6x here)

@@ -117,8 +117,10 @@ def _slices(q, k, v, options) -> tuple[torch.Size, int] | None:
 def _starts(q: torch.Tensor, step: int) -> range:
     """The first row of each slice; in an estimate (fake tensors) the first slice's alone:
     every slice allocates and frees the same, so one gives the step's peak, without
-    hundreds of shape-only ops per call."""
-    return range(0, step if isinstance(q, FakeTensor) else q.shape[0], step)
+    hundreds of shape-only ops per call. (Traced by torch.compile, whose tensors are fake
+    too: every slice.)"""
+    estimate = isinstance(q, FakeTensor) and not torch.compiler.is_compiling()
+    return range(0, step if estimate else q.shape[0], step)
 
 
 def _sliced_options(options, rows: slice, batch: int):
