@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
 
-from actune.hooks import _session
+from actune.hooks import _session, active_level
 from actune.saved import check_double_backward, take
 
 __all__ = ["CHUNK_ELEMENTS", "linear_cross_entropy"]
@@ -94,11 +94,20 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     return total / (t != ignore_index).sum()
 
 
+def _compressing():
+    """The session of the :func:`actune.compressed` block compressing what is saved now, or
+    None (outside one; in code torch.compile traces, whose graphs pack on their own)."""
+    if torch.compiler.is_compiling() or active_level() is None:
+        return None
+    s = _session()
+    return s if s.fusing() else None
+
+
 def _kept_bits() -> int | None:
     """The bits the hidden states are kept at: the innermost compressed block's
     ``nonlinear_bits`` where it compresses what is saved now (None: exact)."""
-    s = _session()
-    return s.level.nonlinear_bits if s.fusing() else None
+    s = _compressing()
+    return None if s is None else s.level.nonlinear_bits
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -162,8 +171,8 @@ class SummedLinearCrossEntropy(torch.autograd.Function):
             if grad_b is not None:
                 grad_b.add_(d.sum(0))
             del d
-        s = _session()
-        keep = (lambda t, label: s.keep_exact(t, label)) if s.fusing() else (lambda t, _: t)
+        s = _compressing()
+        keep = (lambda t, _: t) if s is None else s.keep_exact
         ctx.grads = tuple(None if g is None else keep(g, label) for g, label in (
             (grad_h, "lm_head gradient"), (grad_w, "lm_head weight gradient"),
             (grad_b, "lm_head bias gradient")))
@@ -173,7 +182,8 @@ class SummedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         check_double_backward()
-        grads = take(ctx, "grads")
+        # (traced: the graph owns its tensors' lifetimes; eager: let go as backward reads)
+        grads = ctx.grads if torch.compiler.is_compiling() else take(ctx, "grads")
         out = [None if g is None else g.mul(grad.to(g.dtype)).to(dtype)
                for g, dtype in zip(grads, ctx.dtypes, strict=True)]
         return (*out, None, None, None)
@@ -200,7 +210,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         losses.mul_(valid)
         ctx.rows, ctx.softcap, ctx.ignore_index, ctx.dtype = rows, softcap, ignore_index, dtype
         ctx.has_bias = bias is not None
-        s = _session()
+        s = _session()  # (bits: a compressing block is open)
         if bits is not None and any(ctx.needs_input_grad[:3]):
             s.count(h)
             ctx.packed = s.pack_fixed(h.detach(), bits, "lm_head", by_feature=True)

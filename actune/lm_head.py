@@ -14,7 +14,8 @@ model, in a training forward with ``labels`` and gradients on, skip the whole lo
   per token in GPT-2 small, more than all its activations at L3).
 
 Evaluation, generation and any forward without labels or without gradients run the model's
-own code.
+own code. Under torch.compile the same happens inside the compiled graph (one graph, no
+break: the hooks and :func:`linear_cross_entropy` trace).
 
 A model is recognised from its class's source, not from a table of families: the lines between
 its head and its loss must be one of :data:`BETWEEN_HEAD_AND_LOSS`'s known forms (nothing, 126
@@ -129,7 +130,8 @@ def _attach(model: nn.Module) -> None:
     form = _form_of(type(model))[0]
     model.loss_function = functools.partial(_loss, model, own_loss)
     model.__dict__["_actune_chunk_handles"] = (
-        model.register_forward_pre_hook(functools.partial(_arm, form), with_kwargs=True),
+        model.register_forward_pre_hook(
+            functools.partial(_arm, form, _takes_use_cache(type(model))), with_kwargs=True),
         model.register_forward_hook(_disarm, always_call=True))
     model.lm_head.forward = functools.partial(_head_forward, model, model.lm_head)
 
@@ -149,11 +151,10 @@ def _takes_use_cache(cls: type) -> bool:
         return False
 
 
-def _arm(form: str, model: nn.Module, args: tuple, kwargs: dict):
-    if (kwargs.get("labels") is None or not torch.is_grad_enabled()
-            or torch.compiler.is_compiling()):  # (compiled: the model's own path, see docs)
+def _arm(form: str, takes_use_cache: bool, model: nn.Module, args: tuple, kwargs: dict):
+    if kwargs.get("labels") is None or not torch.is_grad_enabled():
         return None
-    if kwargs.get("use_cache") is None and _takes_use_cache(type(model)):
+    if kwargs.get("use_cache") is None and takes_use_cache:
         kwargs = {**kwargs, "use_cache": False}
     softcap = None
     config = getattr(model, "config", None)

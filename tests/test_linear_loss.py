@@ -251,3 +251,24 @@ def test_compress_and_compressed_on_a_lora_model_keep_few_bytes_and_close_gradie
     with actune.compressed("L3", stats=stats.append):
         plain(input_ids=ids, labels=ids).loss.backward()
     assert stats[0].ratio > 6  # (9.6x here)
+
+
+def test_a_compiled_causal_lm_takes_its_loss_in_chunks_in_one_graph():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = _gpt2().train()
+    ids = torch.randint(0, 300, (4, 32))
+    want, exact = _step(copy.deepcopy(model), ids, ids)
+    actune.chunk_loss(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        got, found = _step(compiled, ids, ids)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss)
+    for e, f in zip(exact, found, strict=True):
+        torch.testing.assert_close(f, e, rtol=1e-4, atol=1e-6)
