@@ -164,8 +164,7 @@ class SummedLinearCrossEntropy(torch.autograd.Function):
             del z, capped
             if grad_h is not None:
                 w = weight.to(dtype) if w is None else w
-                torch.mm(d.to(dtype), w, out=grad_h[start:stop]) if dtype == h.dtype \
-                    else grad_h[start:stop].copy_(d.to(dtype) @ w)
+                grad_h[start:stop] = d.to(dtype) @ w
             if grad_w is not None:
                 grad_w.addmm_(d.t(), hc.float())
             if grad_b is not None:

@@ -39,7 +39,8 @@ from actune.linear_loss import linear_cross_entropy
 
 __all__ = ["BETWEEN_HEAD_AND_LOSS", "chunk_loss", "chunks_loss", "recognised"]
 
-_STATE = "_actune_chunked_loss"  # on the model: its head, while chunking this forward
+_STATE = "_actune_chunked_loss"  # on the model, during a forward that chunks: its soft cap
+_HANDLES = "_actune_chunk_handles"  # on the model: its hooks (present: it chunks)
 
 #: What a model's forward may do between ``self.lm_head(...)`` and ``self.loss_function(...)``
 #: (each form: the lines there, blank lines and comments left out), and what that needs:
@@ -109,10 +110,10 @@ def chunk_loss(model: nn.Module, on: bool = True) -> int:
     :func:`actune.compress` turns it on at a compressing level."""
     changed = 0
     for module in model.modules():
-        if on and "_actune_chunk_handles" not in module.__dict__ and recognised(module)[0]:
+        if on and _HANDLES not in module.__dict__ and recognised(module)[0]:
             _attach(module)
             changed += 1
-        elif not on and "_actune_chunk_handles" in module.__dict__:
+        elif not on and _HANDLES in module.__dict__:
             _detach(module)
             changed += 1
     return changed
@@ -120,7 +121,7 @@ def chunk_loss(model: nn.Module, on: bool = True) -> int:
 
 def chunks_loss(model: nn.Module) -> bool:
     """Does ``model`` (or a model inside it) compute its loss in chunks?"""
-    return any("_actune_chunk_handles" in m.__dict__ for m in model.modules())
+    return any(_HANDLES in m.__dict__ for m in model.modules())
 
 
 def _attach(model: nn.Module) -> None:
@@ -129,7 +130,7 @@ def _attach(model: nn.Module) -> None:
     # which warns where a class names no loss type)
     form = _form_of(type(model))[0]
     model.loss_function = functools.partial(_loss, model, own_loss)
-    model.__dict__["_actune_chunk_handles"] = (
+    model.__dict__[_HANDLES] = (
         model.register_forward_pre_hook(
             functools.partial(_arm, form, _takes_use_cache(type(model))), with_kwargs=True),
         model.register_forward_hook(_disarm, always_call=True))
@@ -137,7 +138,7 @@ def _attach(model: nn.Module) -> None:
 
 
 def _detach(model: nn.Module) -> None:
-    for handle in model.__dict__.pop("_actune_chunk_handles"):
+    for handle in model.__dict__.pop(_HANDLES):
         handle.remove()
     model.__dict__.pop("_loss_function", None)
     model.lm_head.__dict__.pop("forward", None)
