@@ -124,6 +124,17 @@ MODELS = {
         **_SMALL, head_dim=8, final_logit_softcapping=4.0)),  # soft-capped logits
     "cohere": lambda: transformers.CohereForCausalLM(transformers.CohereConfig(
         **_SMALL, logit_scale=0.5)),  # scaled logits
+    "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
+        **_SMALL, logits_scaling=4.0)),  # logits divided by a constant
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_SMALL)),
+    "phi": lambda: transformers.PhiForCausalLM(transformers.PhiConfig(  # a head with a bias
+        **_SMALL, resid_pdrop=0.0, embd_pdrop=0.0)),
+    "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        **{k: v for k, v in _SMALL.items() if k != "num_key_value_heads"},
+        hidden_dropout=0.0, attention_dropout=0.0)),
+    "bloom": lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+        n_layer=2, hidden_size=32, n_head=4, vocab_size=300, bos_token_id=0, eos_token_id=0,
+        hidden_dropout=0.0, attention_dropout=0.0)),
 }
 
 
