@@ -18,10 +18,11 @@ own code. Under torch.compile the same happens inside the compiled graph (one gr
 break: the hooks and :func:`linear_cross_entropy` trace).
 
 A model is recognised from its class's source, not from a table of families: the lines between
-its head and its loss must be one of :data:`BETWEEN_HEAD_AND_LOSS`'s known forms (nothing, 126
-of the 132 causal LMs of transformers 5.25; Gemma's ``final_logit_softcapping``, applied in
-the chunks; a scale by a constant, which commutes with a head without bias). A model that does
-anything else there keeps its own path (:func:`recognised` says why).
+its head and its loss must be one of :data:`BETWEEN_HEAD_AND_LOSS`'s known forms: nothing;
+Gemma's ``final_logit_softcapping``, applied in the chunks; a scale by a constant, which
+commutes with a head without bias (docs/training.md counts the classes of each). A model that
+does anything else there, or computes its loss otherwise, keeps its own path
+(:func:`recognised` says why).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _form_of(cls: type) -> tuple[str | None, str]:
     why not."""
     try:
         source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
+    except (OSError, TypeError, AttributeError):
         return None, "its forward's source is not available"
     head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
     if head < 0 or loss < head:
