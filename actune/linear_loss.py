@@ -125,8 +125,9 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _logit_gradient(z: torch.Tensor, capped: torch.Tensor | None, target: torch.Tensor,
                     coef: torch.Tensor) -> torch.Tensor:
-    """d loss / d (the head's output) of a chunk, in place of its capped logits ``z``:
-    ``coef * (softmax(z) - one_hot(target))``, through the soft cap's ``1 - tanh^2``."""
+    """d loss / d (the head's output) of a chunk from its capped logits ``z``:
+    ``coef * (softmax(z) - one_hot(target))``, through the soft cap's ``1 - tanh^2`` (its
+    ``capped`` tanh squared in place)."""
     d = torch.softmax(z, 1)
     d.scatter_add_(1, target[:, None], torch.full_like(coef, -1.0)).mul_(coef)
     if capped is not None:
