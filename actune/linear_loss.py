@@ -135,6 +135,32 @@ def _logit_gradient(z: torch.Tensor, capped: torch.Tensor | None, target: torch.
     return d
 
 
+class _Gradients:
+    """The gradients of ``h`` (its dtype), the weight and the bias (float32 sums), each where
+    asked for, filled a chunk's logit gradient at a time."""
+
+    def __init__(self, h, weight, needs: tuple[bool, bool, bool]) -> None:
+        need_h, need_w, need_b = needs
+        self.h = torch.empty_like(h) if need_h else None
+        self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if need_w else None
+        self.bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if need_b else None
+        self._of, self._cast = weight, None  # (the weight in the product's dtype, once)
+
+    def add(self, d: torch.Tensor, rows: slice, hc: torch.Tensor, dtype: torch.dtype) -> None:
+        """Take chunk ``rows``' logit gradient ``d`` (its hidden states ``hc``; the product
+        ran in ``dtype``)."""
+        if self.h is not None:
+            if self._cast is None:
+                self._cast = self._of.to(dtype)
+            self.h[rows] = d.to(dtype) @ self._cast
+        if self.weight is not None:
+            self.weight.addmm_(d.t(), hc.float())
+        if self.bias is not None:
+            self.bias.add_(d.sum(0))
+
+
 class SummedLinearCrossEntropy(torch.autograd.Function):
     """The summed cross entropy of ``F.linear(h, weight, bias)`` (``h``: ``(N, H)``), its
     gradients computed chunk by chunk in forward (see the module docstring)."""
@@ -147,14 +173,8 @@ class SummedLinearCrossEntropy(torch.autograd.Function):
         safe = torch.where(valid, target, 0)
         coef = valid.to(torch.float32)[:, None]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and bias is not None
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if need_b else None
+        grads = _Gradients(h, weight, (need_h, need_w, need_b and bias is not None))
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        w = None
         for start in _starts(h, rows):
             stop = min(start + rows, n)
             hc = h[start:stop]
@@ -163,19 +183,13 @@ class SummedLinearCrossEntropy(torch.autograd.Function):
             total += (torch.logsumexp(z, 1, keepdim=True) - picked).mul_(coef[start:stop]).sum()
             d = _logit_gradient(z, capped, safe[start:stop], coef[start:stop])
             del z, capped
-            if grad_h is not None:
-                w = weight.to(dtype) if w is None else w
-                grad_h[start:stop] = d.to(dtype) @ w
-            if grad_w is not None:
-                grad_w.addmm_(d.t(), hc.float())
-            if grad_b is not None:
-                grad_b.add_(d.sum(0))
+            grads.add(d, slice(start, stop), hc, dtype)
             del d
         s = _compressing()
         keep = (lambda t, _: t) if s is None else s.keep_exact
         ctx.grads = tuple(None if g is None else keep(g, label) for g, label in (
-            (grad_h, "lm_head gradient"), (grad_w, "lm_head weight gradient"),
-            (grad_b, "lm_head bias gradient")))
+            (grads.h, "lm_head gradient"), (grads.weight, "lm_head weight gradient"),
+            (grads.bias, "lm_head bias gradient")))
         ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total
 
@@ -208,7 +222,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             losses[start:stop] = torch.logsumexp(z, 1).sub_(picked)
             del z
         losses.mul_(valid)
-        ctx.rows, ctx.softcap, ctx.ignore_index, ctx.dtype = rows, softcap, ignore_index, dtype
+        ctx.rows, ctx.softcap, ctx.dtype = rows, softcap, dtype
         ctx.has_bias = bias is not None
         s = _session()  # (bits: a compressing block is open)
         if bits is not None and any(ctx.needs_input_grad[:3]):
@@ -230,13 +244,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             weight, bias, safe, valid, h = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         coef = grad.float() * valid  # per token: d loss / d logits = coef * (p - one_hot)
-        dtype = ctx.dtype
-        w = weight.to(dtype)
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if need_b and ctx.has_bias else None
+        grads = _Gradients(h, weight, (need_h, need_w, need_b and ctx.has_bias))
         rows, softcap, n = ctx.rows, ctx.softcap, h.shape[0]
         for start in _starts(h, rows):
             stop = min(start + rows, n)
@@ -244,12 +252,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             z, capped, _ = _logits(hc, weight, bias, softcap)
             d = _logit_gradient(z, capped, safe[start:stop], coef[start:stop, None])
             del z, capped
-            if grad_h is not None:
-                grad_h[start:stop] = d.to(dtype) @ w
-            if grad_w is not None:
-                grad_w.addmm_(d.t(), hc.float())
-            if grad_b is not None:
-                grad_b.add_(d.sum(0))
+            grads.add(d, slice(start, stop), hc, ctx.dtype)
             del d
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+        return (grads.h, None if grads.weight is None else grads.weight.to(weight.dtype),
+                None if grads.bias is None else grads.bias.to(bias.dtype),
+                None, None, None, None)
