@@ -13,34 +13,57 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd import forward_ad
 
 from actune.lean_batch_norm import LeanBatchNorm
 from actune.max_pool_offsets import OffsetMaxPool, indices_from_offsets, window_offsets
 from actune.random_masks import drawn_here, keep_mask
 from actune.saved import check_double_backward, take
 
-__all__ = ["LEAN_NUMEL", "LeanBatchNorm", "MaskedDropout", "MaskedLinear", "OffsetMaxPool",
-           "OrderedConv", "PackedLogSoftmax", "PackedReLU", "SavedDerivative", "TwoCopySoftmax",
-           "arg", "as_tuple",
-           "conv_args", "gelu_derivative", "indices_from_offsets", "inside",
-           "positive_after", "positive_before", "silu_derivative", "window_offsets"]
+__all__ = [
+    "LEAN_NUMEL",
+    "DerivativeGLU",
+    "LeanBatchNorm",
+    "MaskedDropout",
+    "MaskedLinear",
+    "MaskedPReLU",
+    "OffsetMaxPool",
+    "OrderedConv",
+    "PackedLogSoftmax",
+    "PackedReLU",
+    "PointwiseDerivative",
+    "SavedDerivative",
+    "TwoCopySoftmax",
+    "arg",
+    "as_tuple",
+    "conv_args",
+    "gelu_derivative",
+    "indices_from_offsets",
+    "inside",
+    "positive_after",
+    "positive_before",
+    "silu_derivative",
+    "value_and_derivative",
+    "window_offsets",
+]
 
 
 class MaskedLinear(torch.autograd.Function):
     """y = f(x) whose derivative is piecewise constant: saves a 1-bit mask.
 
-    ``mask_of(x, y)`` gives where the slope is 1; elsewhere it is ``low`` (0 for ReLU and
-    hardtanh, the negative slope for leaky ReLU), so the gradient is exactly PyTorch's.
+    ``mask_of(x, y)`` gives where the slope is ``high`` (1, or hardsigmoid's 1/6); elsewhere it
+    is ``low`` (0 for ReLU and hardtanh, the negative slope for leaky ReLU), so the gradient is
+    exactly PyTorch's.
     """
 
     @staticmethod
-    def forward(ctx, x, fn, mask_of, low, inplace, session):
+    def forward(ctx, x, fn, mask_of, low, inplace, session, high=1.0):
         mask = mask_of(x, None) if inplace else None
         y = fn(x)
         if mask is None:
             mask = mask_of(x, y)
         ctx.mask = session.pack_bool(mask, "mask", replaces=(y if low == 0.0 else x,))
-        ctx.low = low
+        ctx.low, ctx.high = low, high
         if inplace:
             ctx.mark_dirty(x)
         return y
@@ -49,11 +72,12 @@ class MaskedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         check_double_backward()
         mask = take(ctx, "mask").get()
+        inside = grad if ctx.high == 1.0 else grad * ctx.high
         if ctx.low == 0.0:
-            out = grad.masked_fill(~mask, 0.0)
+            out = inside.masked_fill(~mask, 0.0)
         else:
-            out = torch.where(mask, grad, grad * ctx.low)
-        return out, None, None, None, None, None
+            out = torch.where(mask, inside, grad * ctx.low)
+        return out, None, None, None, None, None, None
 
 
 class OrderedConv(torch.autograd.Function):
@@ -213,6 +237,105 @@ class SavedDerivative(torch.autograd.Function):
         d = take(ctx, "d").fresh()
         out = d.mul_(grad) if d.dtype == grad.dtype else grad * d  # in place: one tensor less
         return out, None, None, None, None, None, None
+
+
+def value_and_derivative(fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``fn(x)`` and its elementwise derivative, in one forward-mode pass with a unit tangent.
+
+    For a pointwise ``fn`` the tangent of the output is ``f'(x)`` itself, computed by the same
+    kernel PyTorch's backward would use, and ``fn`` runs once: a random op (RReLU's slopes)
+    keeps the draw its output was made with. The derivative is ``None`` where ``fn``'s output
+    does not depend on ``x`` (a step function)."""
+    with forward_ad.dual_level():
+        out = fn(forward_ad.make_dual(x, _unit(x)))
+        y, d = forward_ad.unpack_dual(out)
+    return y, d
+
+
+class PointwiseDerivative(torch.autograd.Function):
+    """``y = f(x)`` for a unary pointwise ``f``, given its value ``y`` and derivative ``d``
+    (:func:`value_and_derivative`, worked out before: forward-mode AD is off inside an
+    autograd function's forward): saves ``d`` packed at ``bits`` and returns
+    ``grad * d`` in backward (unbiased: linear in what is kept). ``inplace`` writes ``y``
+    over ``x``, as ``Hardswish(inplace=True)`` does."""
+
+    @staticmethod
+    def forward(ctx, x, y, d, bits, session, inplace):
+        ctx.d = session.pack_value(d, bits, "derivative", replaces=(x,))
+        if inplace:
+            ctx.mark_dirty(x)
+            return x.copy_(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        d = take(ctx, "d").fresh()
+        out = d.mul_(grad) if d.dtype == grad.dtype else grad * d
+        return out, None, None, None, None, None
+
+
+class DerivativeGLU(torch.autograd.Function):
+    """``glu(x) = a * sigmoid(b)`` (``a``, ``b`` the halves of ``x``) keeping ``sigmoid(b)``
+    and ``a * sigmoid'(b)``, each rounded at ``bits``: the gradients ``grad * sigmoid(b)`` and
+    ``grad * a * sigmoid'(b)`` are linear in them (unbiased), and together they are the size
+    of ``x``, as PyTorch's saved input is."""
+
+    @staticmethod
+    def forward(ctx, x, dim, bits, session):
+        a, b = x.chunk(2, dim)
+        gate = torch.sigmoid(b)
+        slope = a * gate * (1 - gate)
+        ctx.gate = session.pack_value(gate, bits, "derivative", replaces=(x,))
+        ctx.slope = session.pack_value(slope, bits, "derivative")
+        ctx.dim = dim
+        del slope
+        return a * gate
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        gate, slope = take(ctx, "gate").fresh(), take(ctx, "slope").fresh()
+        return torch.cat((gate.mul_(grad), slope.mul_(grad)), ctx.dim), None, None, None
+
+
+class MaskedPReLU(torch.autograd.Function):
+    """``prelu(x, weight)`` keeping a 1-bit mask of where ``x > 0`` (the input gradient is
+    ``grad`` there and ``weight * grad`` elsewhere, exactly) and ``min(x, 0)`` packed at
+    ``bits`` for the weight's gradient ``sum(grad * min(x, 0))``, which is linear in it
+    (unbiased). The weight is a parameter, held by reference."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bits, session):
+        positive = x > 0
+        ctx.mask = session.pack_bool(positive, "mask", replaces=(x,))
+        ctx.negative = (session.pack_value(x.clamp(max=0), bits, "other")
+                        if weight.requires_grad else None)
+        ctx.save_for_backward(weight)
+        return torch.where(positive, x, x * _channels(weight, x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        (weight,) = ctx.saved_tensors
+        positive = take(ctx, "mask").get()
+        w = _channels(weight, grad)
+        gx = torch.where(positive, grad, grad * w) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.negative is not None and ctx.needs_input_grad[1]:
+            product = take(ctx, "negative").fresh().mul_(grad)
+            keep = (1,) if weight.numel() > 1 and grad.dim() >= 2 else ()
+            dims = [d for d in range(grad.dim()) if d not in keep]
+            gw = product.sum(dims).reshape(weight.shape).to(weight.dtype)
+        return gx, gw, None, None
+
+
+def _channels(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """PReLU's weight broadcast over ``like``: one value, or one per channel (dim 1; dim 0 of
+    a 1-D input)."""
+    if weight.numel() == 1 or like.dim() < 2:
+        return weight.reshape(-1) if like.dim() < 2 else weight.reshape(())
+    return weight.reshape(-1, *(1,) * (like.dim() - 2))
 
 
 class TwoCopySoftmax(torch.autograd.Function):

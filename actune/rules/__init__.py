@@ -6,6 +6,9 @@ One rule per op family, each in its own module (``matmuls``, ``norms``, ``masks`
 in-place variants). The function mode (:mod:`actune.mode`) looks a called function up here once
 and otherwise knows nothing of ops:
 
+A unary pointwise op with no rule of its own (``torch.atan``, ``torch.special.erfcx``...) gets
+the derivative rule of :mod:`actune.rules.pointwise`, found from PyTorch's op tags.
+
 * ``bits``: which of the level's widths the saved-tensor hooks give what the op saves
   (``"matmul"`` or ``"other"``), for ops whose backward is linear in each saved tensor, so a
   stochastically rounded copy keeps the gradient unbiased; ``"zeros"``: a tensor >= 0 whose
@@ -81,8 +84,10 @@ def register(funcs: Iterable[Callable], family: str, bits: str | None = None, ke
 
 
 def rule_for(func: Callable) -> Rule | None:
-    """The rule of ``func``, or None (what it saves stays exact)."""
-    return RULES.get(func)
+    """The rule of ``func``: its own, else the derivative rule of a unary pointwise op
+    (:func:`actune.rules.pointwise.generic_rule`), else None (what it saves stays exact)."""
+    rule = RULES.get(func)
+    return rule if rule is not None else generic_rule(func)
 
 
 def funcs_of(family: str) -> frozenset:
@@ -118,5 +123,7 @@ from actune.rules import (  # noqa: E402, F401
     masks,
     matmuls,
     norms,
+    pointwise,
     pooling,
 )
+from actune.rules.pointwise import generic_rule  # noqa: E402

@@ -1,5 +1,6 @@
-"""Activations: GELU, SiLU, sigmoid, tanh (derivative saved), softmax (two rounded copies),
-log-softmax (its probabilities saved).
+"""Activations: GELU, SiLU, sigmoid, tanh (derivative saved), GLU (its halves' derivatives),
+softmax and softmin (two rounded copies), log-softmax (its probabilities saved). The other
+smooth activations keep their derivative through :mod:`actune.rules.pointwise`.
 
 A nonlinearity's backward would read its input or output through the nonlinearity, which turns
 rounding noise into bias. These save their derivative instead, rounded at ``other_bits`` and
@@ -17,6 +18,7 @@ import torch.nn.functional as F  # noqa: N812
 from actune.rules import register
 from actune.saved import row_statistic
 from actune.substitutes import (
+    DerivativeGLU,
     PackedLogSoftmax,
     SavedDerivative,
     TwoCopySoftmax,
@@ -86,6 +88,26 @@ def softmax(s, func, args, kwargs, level):
     if not compressible(x, level) or dim is None:
         return None
     return TwoCopySoftmax.apply(x, dim, kwargs.get("dtype"), level.other_bits, s)
+
+
+@register((F.softmin,), "activation", None,
+          "two independently rounded copies of the output (softmax of -x)")
+def softmin(s, func, args, kwargs, level):
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim", None)
+    if not compressible(x, level) or dim is None:
+        return None
+    return TwoCopySoftmax.apply(-x, dim, arg(args, kwargs, 3, "dtype", None), level.other_bits,
+                                s)
+
+
+@register((F.glu,), "activation", None,
+          "the two halves' derivatives rounded at other bits (backward linear in each)")
+def glu(s, func, args, kwargs, level):
+    x = args[0]
+    if not compressible(x, level):
+        return None
+    return DerivativeGLU.apply(x, arg(args, kwargs, 1, "dim", -1), level.other_bits, s)
 
 
 @register((F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax), "activation", None,

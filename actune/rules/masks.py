@@ -1,6 +1,8 @@
-"""Masks: ReLU, ReLU6, hardtanh, leaky ReLU, clamp with constant bounds, dropout.
+"""Masks: ReLU, ReLU6, hardtanh, leaky ReLU, hardsigmoid, hardshrink, softshrink, threshold,
+PReLU, clamp with constant bounds, dropout.
 
-Their backward needs only where the slope is 1 (or the dropout mask): a 1-bit mask, exact. At
+Their backward needs only which of two slopes holds where (or the dropout mask): a 1-bit mask,
+exact. PReLU's weight gradient also reads its negative inputs, linearly: rounded. At
 a level with 2 bits or more, ReLU instead packs its output once with code 0 kept for exact
 zeros: that one copy serves the next layer's saved input and this backward's mask. A small
 ReLU (under ``LEAN_NUMEL`` elements) without an allocator runs as PyTorch's own, its saved
@@ -15,9 +17,11 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune import substitutes
 from actune.rules import register
+from actune.rules.pointwise import derivative_rule
 from actune.substitutes import (
     MaskedDropout,
     MaskedLinear,
+    MaskedPReLU,
     PackedReLU,
     arg,
     inside,
@@ -68,6 +72,82 @@ def leaky_relu(s, func, args, kwargs, level):
     return MaskedLinear.apply(x, fn, positive_before, slope, inplace, s)
 
 
+def _masked(x, fn, mask_of, inplace: bool, s, high: float = 1.0):
+    """``fn`` keeping a 1-bit mask of where its slope is ``high`` (0 elsewhere)."""
+    if inplace and (x.is_leaf or x._base is not None):
+        return None  # a leaf or a view written in place: PyTorch's own (its errors)
+    return MaskedLinear.apply(x, fn, mask_of, 0.0, inplace, s, high)
+
+
+@register((F.hardsigmoid,), "mask", None, "1-bit mask (slope 1/6 strictly inside (-3, 3))")
+def hardsigmoid(s, func, args, kwargs, level):
+    x = args[0]
+    if not level.masks or not x.is_floating_point():
+        return None
+    inplace = bool(arg(args, kwargs, 1, "inplace", False))
+    return _masked(x, lambda t: F.hardsigmoid(t, inplace), inside(-3.0, 3.0), inplace, s,
+                   1 / 6)
+
+
+@register((F.hardshrink, torch.hardshrink, torch.Tensor.hardshrink, F.softshrink), "mask",
+          None, "1-bit mask (slope 1 outside [-lambda, lambda])")
+def shrink(s, func, args, kwargs, level):
+    x = args[0]
+    lambd = arg(args, kwargs, 1, "lambd", 0.5)
+    if not level.masks or not x.is_floating_point() or not isinstance(lambd, int | float):
+        return None
+    return _masked(x, lambda t: func(t, lambd), lambda t, _y: (t < -lambd) | (t > lambd),
+                   False, s)
+
+
+@register((F.threshold, torch.threshold), "mask", None,
+          "1-bit mask (slope 1 above the threshold)")
+def threshold(s, func, args, kwargs, level):
+    x = args[0]
+    th, value = arg(args, kwargs, 1, "threshold", None), arg(args, kwargs, 2, "value", None)
+    if (not level.masks or not x.is_floating_point()
+            or not all(isinstance(v, int | float) for v in (th, value))):
+        return None
+    inplace = func is F.threshold and bool(arg(args, kwargs, 3, "inplace", False))
+    fn = (lambda t: torch.threshold_(t, th, value)) if inplace else (
+        lambda t: torch.threshold(t, th, value))
+    return _masked(x, fn, lambda t, _y: t > th, inplace, s)
+
+
+@register((F.prelu, torch.prelu), "mask", None,
+          "1-bit mask (slope 1 or the weight) and the negative inputs rounded at other bits "
+          "(the weight's gradient, linear in them)")
+def prelu(s, func, args, kwargs, level):
+    x, weight = args[0], arg(args, kwargs, 1, "weight", None)
+    if (not level.masks or level.other_bits is None or not isinstance(weight, torch.Tensor)
+            or not x.is_floating_point() or x.dim() < 2 or x.dtype != weight.dtype
+            or weight.numel() not in (1, x.shape[1])):
+        return None  # a 1-D input, autocast's mixed dtypes: PyTorch's own
+    return MaskedPReLU.apply(x, weight, level.other_bits, s)
+
+
+@register((F.rrelu, torch.rrelu), "mask", None,
+          "evaluation: 1-bit mask (slope 1 or the mean slope); training: the derivative "
+          "with the slopes as drawn, rounded at other bits")
+def rrelu(s, func, args, kwargs, level):
+    """RReLU draws a slope per negative input in training: its derivative is kept, from the
+    one draw that made the output (:func:`~actune.rules.pointwise.derivative_rule`). In
+    evaluation its slope is the mean of its bounds: a leaky ReLU's mask."""
+    x = args[0]
+    lower, upper = arg(args, kwargs, 1, "lower", 1 / 8), arg(args, kwargs, 2, "upper", 1 / 3)
+    training = bool(arg(args, kwargs, 3, "training", False))
+    if training:
+        return derivative_rule(s, func, args, kwargs, level)
+    if not level.masks or not x.is_floating_point():
+        return None
+    inplace = bool(arg(args, kwargs, 4, "inplace", False))
+    if inplace and (x.is_leaf or x._base is not None):
+        return None
+    slope = (lower + upper) / 2
+    fn = (lambda t: F.leaky_relu_(t, slope)) if inplace else (lambda t: F.leaky_relu(t, slope))
+    return MaskedLinear.apply(x, fn, positive_before, slope, inplace, s)
+
+
 _CLAMP = (torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip)
 
 
@@ -88,6 +168,18 @@ def clamp(s, func, args, kwargs, level):
         return m
 
     return MaskedLinear.apply(x, lambda t: torch.clamp(t, lo, hi), mask, 0.0, False, s)
+
+
+@register((torch.clamp_min, torch.Tensor.clamp_min, torch.clamp_max, torch.Tensor.clamp_max),
+          "mask", None, "1-bit mask (slope 1 on the bound's side, inclusive)")
+def one_sided_clamp(s, func, args, kwargs, level):
+    x, bound = args[0], arg(args, kwargs, 1, "min" if "min" in func.__name__ else "max", None)
+    if not level.masks or not x.is_floating_point() or not isinstance(bound, int | float):
+        return None
+    below = "max" in func.__name__
+    return MaskedLinear.apply(x, lambda t: func(t, bound),
+                              (lambda t, _y: t <= bound) if below else (lambda t, _y: t >= bound),
+                              0.0, False, s)
 
 
 @register((F.dropout,), "mask", None, "1-bit mask")

@@ -47,11 +47,25 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def check_rule(fn, make, dtype, exact_only=False, shape=(16, 64), tolerance=0.03):
+def kept_kinds(fn, inputs: tuple[torch.Tensor, ...], lv) -> dict[str, int]:
+    """Bytes kept per kind (``"mask"``, ``"derivative"``...) by ``fn(*inputs)`` at ``lv``;
+    fails if anything large stayed exact."""
+    stats = []
+    with actune.compressed(lv, stats=stats.append):
+        fn(*inputs)
+    assert not stats[0].exact, f"kept exact: {stats[0].exact}"
+    return stats[0].by_kind
+
+
+def check_rule(fn, make, dtype, exact_only=False, shape=(16, 64), tolerance=0.03,
+               kind: str | None = None):
     """A unary rule at 8 bits: close to PyTorch's gradient (``tolerance`` in float32); in
-    float32 at 2 bits: rounded and unbiased (or, ``exact_only``, PyTorch's exactly)."""
+    float32 at 2 bits: rounded and unbiased (or, ``exact_only``, PyTorch's exactly). ``kind``:
+    what the rule keeps is counted under that kind, and nothing stays exact (the rule ran)."""
     x = make(torch.randn(shape, generator=torch.Generator().manual_seed(0))).to(dtype)
     x.requires_grad_()
+    if kind is not None:
+        assert kept_kinds(fn, (x,), level(2)).get(kind, 0) > 0
     (exact,) = exact_grads(fn, (x,))
     (eight,) = input_grads(fn, (x,), level(8), 1)
     tolerance = tolerance if dtype == torch.float32 else 0.08

@@ -94,3 +94,42 @@ def test_a_large_relu_and_one_under_an_allocator_run_packed_relu(monkeypatch):
     with actune.compressed("L3", autoprec=ap):
         y = model(x)
     assert "PackedReLUBackward" in _grad_fns(y)
+
+
+PIECEWISE = {
+    "hardsigmoid": lambda t: F.hardsigmoid(t * 3.0),
+    "hardsigmoid_inplace": lambda t: F.hardsigmoid(t * 3.0, inplace=True),
+    "hardshrink": lambda t: F.hardshrink(t, 0.4),
+    "hardshrink_method": lambda t: t.hardshrink(0.4),
+    "softshrink": lambda t: F.softshrink(t, 0.4),
+    "threshold": lambda t: F.threshold(t, 0.1, -2.0),
+    "threshold_inplace": lambda t: F.threshold(t * 1.0, 0.1, -2.0, True),
+    "clamp_min": lambda t: torch.clamp_min(t, 0.2),
+    "clamp_max": lambda t: t.clamp_max(-0.2),
+    "rrelu_eval": lambda t: F.rrelu(t, 0.1, 0.3),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(PIECEWISE))
+def test_piecewise_linear_activation_keeps_a_mask(op, dtype):
+    check_rule(PIECEWISE[op], lambda t: t, dtype, exact_only=True, kind="mask")
+
+
+@pytest.mark.parametrize("channels", [1, 8])
+def test_prelu_keeps_a_mask_and_its_negative_inputs_rounded(channels):
+    from tests.rules.helpers import exact_grads, input_grads, kept_kinds, level, relative_error
+
+    x = torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    w = torch.full((channels,), 0.25).add_(torch.arange(channels) * 0.05).requires_grad_()
+    kinds = kept_kinds(F.prelu, (x, w), level(2))
+    assert kinds.get("mask", 0) > 0 and kinds.get("other", 0) > 0
+    gx, gw = exact_grads(F.prelu, (x, w))
+    x8, w8 = input_grads(F.prelu, (x, w), level(8), 1)
+    assert torch.equal(x8[0], gx[0])  # the input's gradient reads only the mask and weight
+    assert relative_error(w8[0], gw[0]) < 0.01
+    _, w2 = input_grads(F.prelu, (x, w), level(2), 256)
+    assert not torch.equal(w2[0], gw[0])  # rounded
+    # unbiased: the mean of 256 draws within 5 standard errors of the exact gradient
+    z = (w2.mean(0) - gw[0]).abs() / (w2.std(0) / 16)
+    assert z.max().item() < 5, z

@@ -1,0 +1,134 @@
+"""Unary pointwise functions: the activations of ``torch.nn.functional`` without a rule of
+their own, and any other pointwise function of one tensor, found by PyTorch's own op tags.
+
+Each keeps its derivative ``f'(x)`` rounded at ``other_bits`` and used linearly
+(``grad * f'(x)``: unbiased). The value and the derivative come from one forward-mode pass
+(:func:`actune.substitutes.value_and_derivative`), so no op needs a formula written here:
+PyTorch's own derivative kernels compute it. This is how a smooth activation (Hardswish, Mish,
+ELU, softplus...) and an op a user calls on the way (``torch.atan``, ``torch.expm1``) are
+kept, instead of their exact input.
+
+:func:`generic_rule` decides once per function whether it is such an op:
+
+* its ATen op of the same name carries ``torch.Tag.pointwise`` and reads one tensor;
+* a call on four values, with PyTorch's own saved-tensor bookkeeping, saves something (a
+  negation, a copy or a rounding saves nothing, and keeps costing nothing).
+
+What a pointwise op with two tensor operands saves (``atan2``, ``torch.where``, a division by
+an activation) stays exact, as does an in-place call on a leaf or a view.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from actune.rules import Rule, register
+from actune.rules.activations import compressible
+from actune.substitutes import PointwiseDerivative, value_and_derivative
+
+__all__ = ["GENERIC_KEEPS", "derivative_rule", "generic_rule"]
+
+GENERIC_KEEPS = "derivative from forward-mode AD, rounded at other bits (used linearly)"
+
+
+@functools.cache
+def _inplace_position(func: Callable) -> int | None:
+    """Where ``func`` takes ``inplace`` positionally (``F.elu(x, 1.0, True)``), or None."""
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # a builtin: no ``inplace`` argument to find
+        return None
+    return names.index("inplace") if "inplace" in names else None
+
+
+def derivative_rule(s, func, args, kwargs, level):
+    """Run a unary pointwise ``func`` keeping its derivative (see the module docstring);
+    None where another tensor is an argument or nothing may be packed."""
+    x = args[0]
+    if not compressible(x, level) or not x.requires_grad:
+        return None
+    rest = args[1:]
+    if any(isinstance(a, torch.Tensor) for a in (*rest, *kwargs.values())):
+        return None  # a second operand (an out= tensor, a tensor bound): PyTorch's own
+    at = _inplace_position(func)
+    inplace = bool(kwargs.get("inplace", False) or (at is not None and len(args) > at
+                                                    and args[at]))
+    if inplace:
+        if x.is_leaf or x._base is not None:
+            return None  # a leaf or a view written in place: PyTorch's own (its errors)
+        if at is not None and len(args) > at:
+            rest = (*args[1:at], False, *args[at + 1:])
+        else:
+            kwargs = {**kwargs, "inplace": False}
+    with torch.no_grad():
+        y, d = value_and_derivative(lambda t: func(t, *rest, **kwargs), x.detach())
+    if d is None:
+        return None  # a step function: its gradient is zero, and PyTorch's op saves nothing
+    out = PointwiseDerivative.apply(x, y, d, level.other_bits, s, inplace)
+    del y, d
+    return out
+
+
+#: The smooth activations of ``torch.nn.functional`` (and their ``torch`` spellings); the
+#: piecewise-linear ones keep masks (:mod:`actune.rules.masks`).
+SMOOTH_ACTIVATIONS = (F.hardswish, F.elu, F.selu, torch.selu, F.celu, torch.celu, F.mish,
+                      F.softplus, F.logsigmoid, F.softsign, F.tanhshrink)
+
+register(SMOOTH_ACTIVATIONS, "activation", None,
+         "derivative rounded at other bits (used linearly), from forward-mode AD; RReLU's "
+         "random slopes as drawn")(derivative_rule)
+
+
+_GENERIC: dict[Callable, Rule | None] = {}
+#: distinct functions remembered (a bound on a cache keyed by function objects)
+_GENERIC_LIMIT = 4096
+_RULE = Rule("activation", None, derivative_rule, GENERIC_KEEPS)
+
+
+def generic_rule(func: Callable) -> Rule | None:
+    """The derivative rule if ``func`` is a unary pointwise op that saves something, else
+    None; decided once per function (see the module docstring)."""
+    try:
+        return _GENERIC[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable
+        return None
+    rule = _RULE if _saves_through_pointwise_op(func) else None
+    if len(_GENERIC) < _GENERIC_LIMIT:
+        _GENERIC[func] = rule
+    return rule
+
+
+def _saves_through_pointwise_op(func: Callable) -> bool:
+    name = getattr(func, "__name__", None)
+    if not isinstance(name, str) or name.endswith("_"):
+        return False  # (in-place methods: ``Tensor.exp_``; and dunders)
+    packet = getattr(torch.ops.aten, name.removeprefix("special_"), None) or getattr(
+        torch.ops.aten, name, None)
+    op = getattr(packet, "default", None)
+    if op is None or torch.Tag.pointwise not in op.tags:
+        return False
+    schema = op._schema
+    tensors = [a for a in schema.arguments if isinstance(a.type, torch.TensorType)]
+    if len(tensors) != 1 or len(schema.returns) != 1 or schema.arguments[0] is not tensors[0]:
+        return False
+    return _saves_something(func)
+
+
+def _saves_something(func: Callable) -> bool:
+    """Does ``func`` on four float values save a tensor for backward?"""
+    saved = []
+    x = torch.full((4,), 0.5, requires_grad=True)
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(1) or t, lambda t: t):
+            y = func(x)
+    except (RuntimeError, TypeError, ValueError):  # needs more arguments: decide per call
+        return True
+    return bool(saved) and isinstance(y, torch.Tensor) and y.requires_grad
