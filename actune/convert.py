@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from actune.autoprec import AutoPrecision
@@ -26,7 +27,7 @@ from actune.hooks import active_level, compressed, shared_cache
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
 from actune.lm_head import chunk_loss
-from actune.traced import TracedMode, traced
+from actune.traced import TracedMode, dispatch, traced
 
 __all__ = ["ConversionRow", "autoprec_of", "compress", "count_compiled", "decompress",
            "is_compressed", "stats_of", "summary", "track_stats"]
@@ -48,7 +49,9 @@ _SUPPORTED: dict[type[nn.Module], str] = {
         nn.GroupNorm)},
     nn.ReLU: "its output packed once, zeros exact (shared with the next layer; exact mask)",
     **{cls: "1-bit mask" for cls in (nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)},
-    **{cls: "packed derivative (other bits)" for cls in (nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh)},
+    **{cls: "packed derivative (other bits)" for cls in (nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh,
+                                                         nn.Hardswish, nn.Mish)},
+    nn.Hardsigmoid: "1-bit mask",
     nn.Softmax: "two packed copies of the output (other bits)",
     nn.MaxPool2d: "argmax offset in its window (1 byte)",
     nn.MaxPool3d: "argmax offset in its window (1 byte)",
@@ -85,6 +88,19 @@ def _compressed_forward(self, *args, **kwargs):
     return _eager_forward(self, *args, **kwargs)
 
 
+#: Activations whose function Dynamo calls without the active torch function mode
+#: (``torch.overrides`` lists them as ignored): compiled, their counterpart calls the traced
+#: rule itself.
+_UNROUTED_WHEN_COMPILED = {nn.Hardswish: F.hardswish, nn.Hardsigmoid: F.hardsigmoid}
+
+
+def _unrouted_forward(self, x):
+    if traced():
+        return dispatch(getattr(self, _LEVEL_ATTR), _UNROUTED_WHEN_COMPILED[_base_class(self)],
+                        (x, self.inplace), {})
+    return _compressed_forward(self, x)
+
+
 def _fused_forward(self, x, *args, **kwargs):
     if args or kwargs or not isinstance(x, torch.Tensor):
         return _compressed_forward(self, x, *args, **kwargs)
@@ -119,7 +135,8 @@ def _counterpart(cls: type[nn.Module]) -> type[nn.Module]:
     made = _COUNTERPARTS.get(cls)
     if made is None:
         name = f"Compressed{cls.__name__}"
-        forward = _compressed_forward if fused_of(cls) is None else _fused_forward
+        forward = (_unrouted_forward if cls in _UNROUTED_WHEN_COMPILED
+                   else _compressed_forward if fused_of(cls) is None else _fused_forward)
         made = type(name, (cls,), {"forward": forward, "__module__": __name__,
                                    "__doc__": f"{cls.__name__} with compressed activations."})
         globals()[name] = made  # importable by name, so compressed models pickle

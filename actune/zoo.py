@@ -9,6 +9,9 @@
   as ``wide_resnet50_2`` and ActNN's width benchmark use it).
 * A small transformer classifier: embedding, attention written with functional calls, layer
   norm, GELU MLP.
+* MobileNetV3-Small with torchvision's exact layout (2,542,856 parameters; Howard et al.,
+  ICCV 2019): Hardswish, squeeze-excitation gates through Hardsigmoid, depthwise convolutions,
+  scalable in width and input resolution.
 * A tiny CNN that trains in seconds on the CPU (8x8 inputs, e.g. scikit-learn's digits).
 """
 
@@ -22,7 +25,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-__all__ = ["MODELS", "ModelSpec", "SmallTransformer", "TinyCNN", "make_batch", "resnet"]
+__all__ = ["MODELS", "MobileNetV3Small", "ModelSpec", "SmallTransformer", "TinyCNN",
+           "make_batch", "mobilenet_v3_small", "resnet"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,6 +254,113 @@ def transformer(*, depth: float = 1.0, width: float = 1.0, resolution: int = 128
 
 
 # ---------------------------------------------------------------------------------------------
+# MobileNetV3-Small (torchvision layout)
+
+
+def _divisible(v: float, divisor: int = 8) -> int:
+    """The channel count nearest ``v`` that ``divisor`` divides, never 10% below it (the
+    MobileNet rule)."""
+    new = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return new + divisor if new < 0.9 * v else new
+
+
+def _conv_norm_act(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1,
+                   act: type[nn.Module] | None = None) -> nn.Sequential:
+    layers: list[nn.Module] = [
+        nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(cout, eps=0.001, momentum=0.01)]
+    if act is not None:
+        layers.append(act(inplace=True))
+    return nn.Sequential(*layers)
+
+
+class _SqueezeExcitation(nn.Module):
+    def __init__(self, channels: int, squeezed: int) -> None:
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(channels, squeezed, 1)
+        self.fc2 = nn.Conv2d(squeezed, channels, 1)
+        self.activation = nn.ReLU()
+        self.scale_activation = nn.Hardsigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+        return gate * x
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, cin: int, kernel: int, expanded: int, cout: int, se: bool,
+                 act: type[nn.Module], stride: int) -> None:
+        super().__init__()
+        self.use_res_connect = stride == 1 and cin == cout
+        layers: list[nn.Module] = []
+        if expanded != cin:
+            layers.append(_conv_norm_act(cin, expanded, 1, act=act))
+        layers.append(_conv_norm_act(expanded, expanded, kernel, stride, expanded, act))
+        if se:
+            layers.append(_SqueezeExcitation(expanded, _divisible(expanded // 4)))
+        layers.append(_conv_norm_act(expanded, cout, 1))
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        return out + x if self.use_res_connect else out
+
+
+#: (kernel, expanded, out, squeeze-excitation, Hardswish, stride) per block, before ``width``
+_SMALL = ((3, 16, 16, True, False, 2), (3, 72, 24, False, False, 2),
+          (3, 88, 24, False, False, 1), (5, 96, 40, True, True, 2), (5, 240, 40, True, True, 1),
+          (5, 240, 40, True, True, 1), (5, 120, 48, True, True, 1), (5, 144, 48, True, True, 1),
+          (5, 288, 96, True, True, 2), (5, 576, 96, True, True, 1), (5, 576, 96, True, True, 1))
+
+
+class MobileNetV3Small(nn.Module):
+    """MobileNetV3-Small as torchvision builds it (module names and initialisation too), its
+    channels multiplied by ``width``."""
+
+    def __init__(self, num_classes: int = 1000, width: float = 1.0,
+                 dropout: float = 0.2) -> None:
+        super().__init__()
+        first = _divisible(16 * width)
+        layers: list[nn.Module] = [_conv_norm_act(3, first, 3, 2, act=nn.Hardswish)]
+        cin = first
+        for kernel, expanded, cout, se, hard, stride in _SMALL:
+            cout = _divisible(cout * width)
+            layers.append(_InvertedResidual(cin, kernel, _divisible(expanded * width), cout, se,
+                                            nn.Hardswish if hard else nn.ReLU, stride))
+            cin = cout
+        last = 6 * cin
+        layers.append(_conv_norm_act(cin, last, 1, act=nn.Hardswish))
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Linear(last, 1024), nn.Hardswish(inplace=True),
+                                        nn.Dropout(dropout, inplace=True),
+                                        nn.Linear(1024, num_classes))
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out")
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def mobilenet_v3_small(*, depth: float = 1.0, width: float = 1.0, resolution: int = 224,
+                       num_classes: int = 1000) -> MobileNetV3Small:
+    """MobileNetV3-Small (``depth`` is accepted for a uniform signature and must be 1)."""
+    if depth != 1.0:
+        raise ValueError("MobileNetV3-Small has a fixed depth; scale its width or resolution")
+    return MobileNetV3Small(num_classes=num_classes, width=width)
+
+
+# ---------------------------------------------------------------------------------------------
 # Tiny CNN
 
 
@@ -297,6 +408,8 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     **{f"resnet{v}": ModelSpec(f"resnet{v}", lambda v=v, **kw: resnet(v, **kw), 224, "image",
                                1000) for v in _RESNETS},
+    "mobilenet_v3_small": ModelSpec("mobilenet_v3_small", mobilenet_v3_small, 224, "image",
+                                    1000),
     "transformer": ModelSpec("transformer", transformer, 128, "tokens", 10),
     "tinycnn": ModelSpec("tinycnn", tiny_cnn, 8, "digits", 10),
 }

@@ -8,7 +8,9 @@ partitioner saves the packed bytes. What each keeps mirrors the eager rules
 * a layer's input (linear, addmm with a weight): rounded at matmul bits, in groups along the
   tokens, one feature each; the weight stays a reference;
 * both operands of a product of two activations (``q @ k^T``, ``attn @ v``) at matmul bits;
-* an activation's derivative (GELU, SiLU) at other bits, used linearly;
+* an activation's derivative (GELU, SiLU, Hardswish, Mish) at other bits, used linearly;
+* a piecewise-linear activation's two slopes (ReLU6, hardtanh, hardsigmoid, leaky ReLU): one
+  bit per element;
 * a norm's normalised input at other bits, its ``rstd`` exact;
 * softmax's output as two independently rounded copies (its backward is quadratic in it).
 
@@ -23,11 +25,19 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.traced.pack import pack, pack_range, unpack, unpack_range
+from actune.traced.convolutions import pack_bits, unpack_bits
+from actune.traced.pack import (
+    in_memory_order,
+    memory_order,
+    pack,
+    pack_range,
+    unpack,
+    unpack_range,
+)
 
-__all__ = ["DERIVATIVES", "GatedProduct", "PackedDerivative", "PackedLinear", "PackedNorm",
-           "PackedProduct", "TwoCopySoftmax", "carry_copy", "shared_copy",
-           "softmax_sharing_copy"]
+__all__ = ["DERIVATIVES", "TWO_SLOPES", "BroadcastProduct", "GatedProduct", "PackedDerivative",
+           "PackedLinear", "PackedNorm", "PackedProduct", "TwoCopySoftmax", "TwoSlopes",
+           "carry_copy", "shared_copy", "softmax_sharing_copy"]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -120,6 +130,31 @@ class GatedProduct(torch.autograd.Function):
         return (grad * b).to(a_dtype), (grad * a).to(b_dtype), None, None
 
 
+class BroadcastProduct(torch.autograd.Function):
+    """``big * small`` where ``small`` broadcasts over ``big`` (a squeeze-excitation gate, a
+    per-channel scale): ``big`` is kept rounded at ``bits`` for ``small``'s gradient, a sum of
+    ``grad * big`` (linear in it); ``small`` stays exact, as in eager (its noise would repeat
+    along every broadcast dim)."""
+
+    @staticmethod
+    def forward(ctx, big, small, bits: int, group_size: int):
+        order = memory_order(big)
+        ctx.meta = (big.shape, big.dtype, order, bits, group_size, small.shape)
+        ctx.save_for_backward(small, *pack(in_memory_order(big, order), bits, group_size))
+        return big * small
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, order, bits, group_size, small_shape = ctx.meta
+        small, *packed = ctx.saved_tensors
+        g_big = (grad * small).to(dtype) if ctx.needs_input_grad[0] else None
+        g_small = None
+        if ctx.needs_input_grad[1]:
+            big = unpack(packed, bits, shape, grad.dtype, group_size, order=order)
+            g_small = (grad * big).sum_to_size(small_shape).to(small.dtype)
+        return g_big, g_small, None, None
+
+
 def _gelu_derivative(approximate: str):
     if approximate == "tanh":
         def tanh_form(x):
@@ -147,6 +182,11 @@ DERIVATIVES = {
     "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), _gelu_derivative("tanh"),
                   -0.1290, 1.1290),
     "silu": (F.silu, _silu_derivative, -0.0999, 1.0999),
+    # (2x + 3) / 6 inside [-3, 3], 0 below, 1 above
+    "hardswish": (F.hardswish, lambda x: torch.ops.aten.hardswish_backward(
+        torch.ones_like(x), x), -0.5, 1.5),
+    "mish": (F.mish, lambda x: torch.ops.aten.mish_backward(torch.ones_like(x), x), -0.1126,
+             1.0885),
 }
 
 
@@ -165,6 +205,37 @@ class PackedDerivative(torch.autograd.Function):
         shape, bits, low, high = ctx.meta
         d = unpack_range(ctx.saved_tensors[0], bits, low, high, shape, grad.dtype)
         return grad * d, None, None, None
+
+
+#: name -> (function of (x, a, b), where its slope is ``high`` (else ``low``), high, low); ``a``
+#: and ``b`` are the call's bounds or slope
+TWO_SLOPES = {
+    "hardtanh": (lambda x, lo, hi: x.clamp(lo, hi), lambda x, lo, hi: (x > lo) & (x < hi),
+                 1.0, 0.0),
+    "hardsigmoid": (lambda x, _a, _b: F.hardsigmoid(x), lambda x, _a, _b: (x > -3) & (x < 3),
+                    1 / 6, 0.0),
+    "leaky_relu": (lambda x, slope, _b: F.leaky_relu(x, slope), lambda x, _s, _b: x > 0, 1.0,
+                   None),
+}
+
+
+class TwoSlopes(torch.autograd.Function):
+    """A piecewise-linear activation of :data:`TWO_SLOPES` keeping one bit per element: where
+    its slope is the higher one (leaky ReLU's low slope is its argument ``a``)."""
+
+    @staticmethod
+    def forward(ctx, x, name: str, a: float, b: float):
+        fn, where, high, low = TWO_SLOPES[name]
+        mask = where(x, a, b)
+        ctx.meta = (x.shape, memory_order(mask), high, a if low is None else low)
+        ctx.save_for_backward(pack_bits(mask))
+        return fn(x, a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, order, high, low = ctx.meta
+        mask = unpack_bits(ctx.saved_tensors[0], shape, order)
+        return torch.where(mask, grad * high, grad * low), None, None, None
 
 
 class PackedNorm(torch.autograd.Function):

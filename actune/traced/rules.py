@@ -20,11 +20,13 @@ from actune.substitutes import arg
 from actune.traced.attention import PackedAttention, PackedCrossEntropy, RedrawnDropout
 from actune.traced.convolutions import MaskedReLU, PackedBatchNorm, PackedConv
 from actune.traced.functions import (
+    BroadcastProduct,
     GatedProduct,
     PackedDerivative,
     PackedLinear,
     PackedNorm,
     PackedProduct,
+    TwoSlopes,
     carry_copy,
     shared_copy,
     softmax_sharing_copy,
@@ -107,6 +109,54 @@ _register(F.gelu)(_derivative("gelu"))
 _register(F.silu)(_derivative("silu"))
 
 
+def _in_place(x: torch.Tensor, out: torch.Tensor | None, inplace: bool):
+    """``out`` written over ``x`` for an in-place call (``Hardswish(inplace=True)``), as the
+    ReLU rule does; None stays None (PyTorch's own op)."""
+    return x.copy_(out) if inplace and out is not None else out
+
+
+@_register(F.hardswish)
+def _hardswish(level, args, kwargs):
+    out = _derivative("hardswish")(level, args[:1], {})
+    return _in_place(args[0], out, arg(args, kwargs, 1, "inplace", False))
+
+
+@_register(F.mish)
+def _mish(level, args, kwargs):
+    out = _derivative("mish")(level, args[:1], {})
+    return _in_place(args[0], out, arg(args, kwargs, 1, "inplace", False))
+
+
+def _two_slopes(level, x, inplace, name: str, a: float, b: float):
+    if not level.masks or not _activation(x, level):
+        return None
+    return _in_place(x, TwoSlopes.apply(x, name, float(a), float(b)), inplace)
+
+
+@_register(F.hardtanh)
+def _hardtanh(level, args, kwargs):
+    return _two_slopes(level, args[0], arg(args, kwargs, 3, "inplace", False), "hardtanh",
+                       arg(args, kwargs, 1, "min_val", -1.0), arg(args, kwargs, 2, "max_val", 1.0))
+
+
+@_register(F.relu6)
+def _relu6(level, args, kwargs):
+    return _two_slopes(level, args[0], arg(args, kwargs, 1, "inplace", False), "hardtanh", 0.0,
+                       6.0)
+
+
+@_register(F.hardsigmoid)
+def _hardsigmoid(level, args, kwargs):
+    return _two_slopes(level, args[0], arg(args, kwargs, 1, "inplace", False), "hardsigmoid",
+                       0.0, 0.0)
+
+
+@_register(F.leaky_relu)
+def _leaky_relu(level, args, kwargs):
+    return _two_slopes(level, args[0], arg(args, kwargs, 2, "inplace", False), "leaky_relu",
+                       arg(args, kwargs, 1, "negative_slope", 0.01), 0.0)
+
+
 def _norm(rms: bool) -> Handler:
     def handler(level, args, kwargs):
         x = args[0]
@@ -157,14 +207,30 @@ def _dropout(level, args, kwargs):
 @_register(torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
 def _mul(level, args, kwargs):
     """Two activations of one shape; a product with a broadcast operand (rotary tables, a
-    mask) saves only that small operand and runs as it is."""
+    mask) saves only that small operand and runs as it is, unless that operand needs a
+    gradient (a squeeze-excitation gate): the large one is then kept rounded."""
     a, b = args[0], arg(args, kwargs, 1, "other", None)
+    broadcast = _broadcast_product(level, args, kwargs, a, b)
+    if broadcast is not None:
+        return broadcast
     if (level.sensitive_width is None or len(args) + len(kwargs) != 2
             or not (_activation(a, level) and _activation(b, level))
             or a.shape != b.shape or a.dtype != b.dtype or not (a.requires_grad
                                                                 and b.requires_grad)):
         return None
     return GatedProduct.apply(a, b, level.sensitive_width, level.group_size)
+
+
+def _broadcast_product(level, args, kwargs, a, b):
+    if (level.other_bits is None or len(args) + len(kwargs) != 2
+            or not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor))
+            or a.shape == b.shape or a.dtype != b.dtype):
+        return None
+    big, small = (a, b) if a.numel() > b.numel() else (b, a)
+    if (not small.requires_grad or not _activation(big, level) or big.dim() != small.dim()
+            or torch.broadcast_shapes(big.shape, small.shape) != big.shape):
+        return None
+    return BroadcastProduct.apply(big, small, level.other_bits, level.group_size)
 
 
 @_register(F.scaled_dot_product_attention)

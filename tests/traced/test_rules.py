@@ -64,6 +64,22 @@ def _case(name):
         return (lambda x: F.gelu(x, approximate="tanh")), (r(8, 512),)
     if name == "silu":
         return (lambda x: F.silu(x)), (r(8, 512),)
+    if name == "hardswish":
+        return (lambda x: F.hardswish(x * 3)), (r(8, 512),)
+    if name == "hardswish_inplace":
+        return (lambda x: F.hardswish(x * 3, inplace=True)), (r(8, 512),)
+    if name == "hardsigmoid_inplace":
+        return (lambda x: F.hardsigmoid(x * 4, True)), (r(8, 300),)
+    if name == "mish":
+        return (lambda x: F.mish(x * 2)), (r(8, 512),)
+    if name == "relu6":
+        return (lambda x: F.relu6(x * 4)), (r(8, 300),)
+    if name == "hardtanh":
+        return (lambda x: F.hardtanh(x, -0.5, 0.7)), (r(8, 300),)
+    if name == "hardsigmoid":
+        return (lambda x: F.hardsigmoid(x * 4)), (r(8, 300),)
+    if name == "leaky_relu":
+        return (lambda x: F.leaky_relu(x, 0.2)), (r(8, 300),)
     if name == "layer_norm":
         return (lambda x, w, b: F.layer_norm(x, (64,), w, b)), (r(4, 64, 64), r(64), r(64))
     if name == "rms_norm":
@@ -117,7 +133,9 @@ def _channels_last(x):
     return x.contiguous(memory_format=torch.channels_last)
 
 
-CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "layer_norm", "rms_norm",
+CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "hardswish",
+         "hardswish_inplace", "mish", "relu6", "hardtanh", "hardsigmoid", "hardsigmoid_inplace",
+         "leaky_relu", "layer_norm", "rms_norm",
          "softmax", "mul", "attention_map", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv",
          "conv_channels_last", "relu", "relu_channels_last", "relu_inplace", "relu_",
          "batch_norm", "batch_norm_channels_last")
@@ -155,11 +173,13 @@ def test_the_rules_run_where_they_apply():
         with TracedMode(_level(2)):
             y = fn(*_activations(inputs))
         node = y.grad_fn
-        if name in ("relu_inplace", "relu_"):  # the copy over the input, then the rule
+        # in place: the copy over the input, then the rule
+        if name in ("relu_inplace", "relu_", "hardswish_inplace", "hardsigmoid_inplace"):
             assert type(node).__name__ == "CopyBackwards", name
             node = next(f for f, _ in node.next_functions if f is not None
-                        and "Masked" in type(f).__name__)
-        assert type(node).__name__.startswith(("Packed", "TwoCopy", "Gated", "Masked")), \
+                        and type(f).__name__.startswith(("Masked", "Packed", "TwoSlopes")))
+        assert type(node).__name__.startswith(("Packed", "TwoCopy", "TwoSlopes", "Gated",
+                                               "Masked")), \
             (name, type(node).__name__)
 
 

@@ -1,0 +1,143 @@
+"""Vision models from Hugging Face transformers under compressed(): saved bytes, kept bytes,
+what stays exact, and the gradient error at 8 bits.
+
+Models built from configs (random weights, nothing downloaded; dropout 0, so that the
+gradients of two runs compare), in training mode, one step
+of cross entropy on random labels: MobileNetV2 (ReLU6), LeViT (Hardswish), MobileViT (SiLU,
+attention), ConvNeXt (GELU, layer norm), and actune's own MobileNetV3-Small (torchvision's
+layout: Hardswish, squeeze-excitation gates through Hardsigmoid). For each: the bytes
+autograd would keep, the bytes kept at ``--level`` (L3 by default) and their ratio, what
+stayed exact, and the relative error of every parameter gradient at ``u8`` (8 bits
+everywhere) against exact, measured in one run. ``--without-pointwise`` removes the rules
+added for the pointwise activations (hardswish, hardsigmoid, the generic derivative rule) to
+show the same table as before they existed.
+
+    python benchmarks/vision_models.py [--level L3] [--batch 8] [--without-pointwise]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+import actune
+from actune import zoo
+
+try:
+    import transformers
+except ImportError as err:
+    raise SystemExit("needs Hugging Face transformers: pip install 'actune[hf]'") from err
+
+MIB = 2**20
+
+
+def _hf(model: nn.Module):
+    def loss(pixel_values, labels):
+        return model(pixel_values=pixel_values, labels=labels).loss
+    return loss
+
+
+def models(size: int) -> dict[str, tuple[nn.Module, object, int]]:
+    """name -> (module, loss function of (pixels, labels), image size)."""
+    torch.manual_seed(0)
+    out = {}
+    m = transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
+        image_size=size, depth_multiplier=0.5, num_labels=10,
+        classifier_dropout_prob=0.0))
+    out["MobileNetV2 (ReLU6)"] = (m, _hf(m), size)
+    m = transformers.LevitForImageClassification(transformers.LevitConfig(
+        image_size=size, hidden_sizes=[64, 96, 128], num_attention_heads=[2, 3, 4],
+        depths=[2, 2, 2], key_dim=[16, 16, 16], num_labels=10))
+    out["LeViT (Hardswish)"] = (m, _hf(m), size)
+    m = transformers.MobileViTForImageClassification(transformers.MobileViTConfig(
+        image_size=size, hidden_sizes=[48, 64, 80], neck_hidden_sizes=[8, 16, 24, 32, 48, 64,
+                                                                        160], num_labels=10,
+        hidden_dropout_prob=0.0, classifier_dropout_prob=0.0))
+    out["MobileViT (SiLU)"] = (m, _hf(m), size)
+    m = transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1], num_labels=10))
+    out["ConvNeXt (GELU)"] = (m, _hf(m), size)
+    m = zoo.MobileNetV3Small(num_classes=10, dropout=0.0)
+    out["MobileNetV3-Small (actune.zoo)"] = (m, lambda x, y, m=m: F.cross_entropy(m(x), y),
+                                             size)
+    return out
+
+
+def step(module, loss_fn, pixels, labels, level, stats=None) -> torch.Tensor:
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with actune.compressed(level, stats=stats):
+        loss = loss_fn(pixels, labels)
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None])
+
+
+def measure(module, loss_fn, size: int, batch: int, level: str) -> dict:
+    module.train()
+    gen = torch.Generator().manual_seed(2)
+    pixels = torch.randn(batch, 3, size, size, generator=gen)
+    labels = torch.randint(0, 10, (batch,), generator=gen)
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+
+    def run(lv, stats=None):
+        module.load_state_dict(state)  # (batch norm's running statistics move each step)
+        return step(module, loss_fn, pixels, labels, lv, stats)
+
+    exact = run("L0")
+    eight = run("u8")
+    kept = []
+    run(level, kept.append)
+    s = kept[0]
+    return {"saved": s.saved_bytes, "kept": s.kept_bytes, "ratio": s.ratio,
+            "exact": s.describe_exact() if s.exact else "nothing",
+            "u8": ((eight - exact).norm() / exact.norm()).item()}
+
+
+@contextlib.contextmanager
+def without_pointwise():
+    """The pointwise activations' rules removed, as before they existed."""
+    from actune.rules import RULES, pointwise
+
+    names = {"hardsigmoid", "derivative_rule", "prelu", "shrink", "threshold",
+             "one_sided_clamp", "rrelu", "softmin", "glu"}
+    removed = {f: r for f, r in RULES.items()
+               if r.replace is not None and r.replace.__name__ in names}
+    for f in removed:
+        del RULES[f]
+    generic, pointwise.generic_rule.__globals__["_RULE"] = pointwise._RULE, None
+    pointwise._GENERIC.clear()
+    try:
+        yield
+    finally:
+        RULES.update(removed)
+        pointwise.generic_rule.__globals__["_RULE"] = generic
+        pointwise._GENERIC.clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--level", default="L3")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--without-pointwise", action="store_true")
+    args = parser.parse_args()
+    table = Table(title=f"{args.level}, batch {args.batch} x 3 x {args.size}^2, training step"
+                  + (" (pointwise rules removed)" if args.without_pointwise else ""))
+    for col in ("model", "saved MiB", "kept MiB", "ratio", "u8 grad error", "kept exact"):
+        table.add_column(col, justify="left" if col in ("model", "kept exact") else "right")
+    with without_pointwise() if args.without_pointwise else contextlib.nullcontext():
+        for name, (module, loss_fn, size) in models(args.size).items():
+            r = measure(module, loss_fn, size, args.batch, args.level)
+            table.add_row(name, f"{r['saved'] / MIB:.1f}", f"{r['kept'] / MIB:.2f}",
+                          f"{r['ratio']:.1f}x", f"{r['u8']:.2%}", r["exact"])
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
