@@ -411,6 +411,40 @@ def silu_derivative(x, _y):
     return torch.ops.aten.silu_backward(_unit(x), x)
 
 
+def hardswish_derivative(x, _y):
+    """Hardswish's derivative: PyTorch's own backward kernel with a unit gradient."""
+    return torch.ops.aten.hardswish_backward(_unit(x), x)
+
+
+def mish_derivative(x, _y):
+    return torch.ops.aten.mish_backward(_unit(x), x)
+
+
+def elu_derivative(alpha: float, scale: float = 1.0, input_scale: float = 1.0):
+    """ELU's (SELU's, CELU's) derivative of the input: PyTorch's ``elu_backward``."""
+    def derivative(x, _y):
+        return torch.ops.aten.elu_backward(_unit(x), alpha, scale, input_scale, False, x)
+    return derivative
+
+
+def softplus_derivative(beta: float, threshold: float):
+    def derivative(x, _y):
+        return torch.ops.aten.softplus_backward(_unit(x), x, beta, threshold)
+    return derivative
+
+
+def logsigmoid_derivative(x, _y):
+    return torch.sigmoid(-x)
+
+
+def softsign_derivative(x, _y):
+    return x.abs().add_(1).square_().reciprocal_()
+
+
+def tanhshrink_derivative(x, _y):
+    return torch.tanh(x).square_()
+
+
 def arg(args: tuple, kwargs: dict, i: int, name: str, default):
     """Argument ``i`` of a call, positional or by ``name`` (``default`` if absent)."""
     if len(args) > i:

@@ -2,11 +2,12 @@
 their own, and any other pointwise function of one tensor, found by PyTorch's own op tags.
 
 Each keeps its derivative ``f'(x)`` rounded at ``other_bits`` and used linearly
-(``grad * f'(x)``: unbiased). The value and the derivative come from one forward-mode pass
+(``grad * f'(x)``: unbiased). The activations of ``torch.nn.functional`` compute it with
+PyTorch's own backward kernel from the input alone (:data:`CLOSED_FORMS`), packed before
+the output exists. Any other op gets the value and the derivative from one forward-mode pass
 (:func:`actune.substitutes.value_and_derivative`), so no op needs a formula written here:
-PyTorch's own derivative kernels compute it. This is how a smooth activation (Hardswish, Mish,
-ELU, softplus...) and an op a user calls on the way (``torch.atan``, ``torch.expm1``) are
-kept, instead of their exact input.
+an op a user calls on the way (``torch.atan``, ``torch.expm1``) is kept so, instead of its
+exact input.
 
 :func:`generic_rule` decides once per function whether it is such an op:
 
@@ -29,9 +30,20 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune.rules import Rule, register
 from actune.rules.activations import compressible
-from actune.substitutes import PointwiseDerivative, value_and_derivative
+from actune.substitutes import (
+    PointwiseDerivative,
+    SavedDerivative,
+    elu_derivative,
+    hardswish_derivative,
+    logsigmoid_derivative,
+    mish_derivative,
+    softplus_derivative,
+    softsign_derivative,
+    tanhshrink_derivative,
+    value_and_derivative,
+)
 
-__all__ = ["GENERIC_KEEPS", "derivative_rule", "generic_rule"]
+__all__ = ["CLOSED_FORMS", "GENERIC_KEEPS", "derivative_rule", "generic_rule"]
 
 GENERIC_KEEPS = "derivative from forward-mode AD, rounded at other bits (used linearly)"
 
@@ -46,6 +58,40 @@ def _inplace_position(func: Callable) -> int | None:
     return names.index("inplace") if "inplace" in names else None
 
 
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+#: activation -> (its parameters' names and defaults after the input, a builder of its
+#: derivative from them): PyTorch's own derivative kernels, computed from the input alone
+#: before the output exists (so input, output and derivative are never alive together, and
+#: an in-place call holds two tensors, not three)
+CLOSED_FORMS: dict[Callable, tuple[tuple[tuple[str, object], ...], Callable]] = {
+    F.hardswish: ((), lambda: hardswish_derivative),
+    F.mish: ((), lambda: mish_derivative),
+    F.elu: ((("alpha", 1.0),), lambda alpha: elu_derivative(alpha)),
+    F.celu: ((("alpha", 1.0),), lambda alpha: elu_derivative(alpha, 1.0, 1 / alpha)),
+    torch.celu: ((("alpha", 1.0),), lambda alpha: elu_derivative(alpha, 1.0, 1 / alpha)),
+    F.selu: ((), lambda: elu_derivative(_SELU_ALPHA, _SELU_SCALE)),
+    torch.selu: ((), lambda: elu_derivative(_SELU_ALPHA, _SELU_SCALE)),
+    F.softplus: ((("beta", 1.0), ("threshold", 20.0)),
+                 lambda beta, threshold: softplus_derivative(beta, threshold)),
+    F.logsigmoid: ((), lambda: logsigmoid_derivative),
+    F.softsign: ((), lambda: softsign_derivative),
+    F.tanhshrink: ((), lambda: tanhshrink_derivative),
+}
+
+
+def _closed_form(func: Callable, args: tuple, kwargs: dict) -> Callable | None:
+    entry = CLOSED_FORMS.get(func)
+    if entry is None:
+        return None
+    names, build = entry
+    values = [args[1 + i] if len(args) > 1 + i and not isinstance(args[1 + i], bool)
+              else kwargs.get(name, default) for i, (name, default) in enumerate(names)]
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return None
+    return build(*values)
+
+
 def derivative_rule(s, func, args, kwargs, level):
     """Run a unary pointwise ``func`` keeping its derivative (see the module docstring);
     None where another tensor is an argument or nothing may be packed."""
@@ -58,9 +104,13 @@ def derivative_rule(s, func, args, kwargs, level):
     at = _inplace_position(func)
     inplace = bool(kwargs.get("inplace", False) or (at is not None and len(args) > at
                                                     and args[at]))
+    if inplace and (x.is_leaf or x._base is not None):
+        return None  # a leaf or a view written in place: PyTorch's own (its errors)
+    derivative = _closed_form(func, args, kwargs)
+    if derivative is not None:
+        return SavedDerivative.apply(x, lambda t: func(*(t, *args[1:]), **kwargs), derivative,
+                                     level.other_bits, s, True, inplace)
     if inplace:
-        if x.is_leaf or x._base is not None:
-            return None  # a leaf or a view written in place: PyTorch's own (its errors)
         if at is not None and len(args) > at:
             rest = (*args[1:at], False, *args[at + 1:])
         else:
