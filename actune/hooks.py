@@ -349,6 +349,14 @@ def allow_overwrite(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _defragmenting() -> None:
+    """L5: PyTorch's expandable segments on for the run (imported here: the memory package
+    imports this module)."""
+    from actune.memory.allocator_settings import enable_expandable_segments
+
+    enable_expandable_segments()
+
+
 @contextlib.contextmanager
 def shared_cache(autoprec: AutoPrecision | None = None) -> Iterator[None]:
     """Within this block, compressed() contexts that open and close (one per layer of a
@@ -387,6 +395,8 @@ def compressed(level: str | Level = "L3",
         yield lv
         return
     outer = not s.levels
+    if lv.defrag and torch.cuda.is_available():
+        _defragmenting()
     if outer:
         s.stats_sink = stats
     previous = s.attach(autoprec)

@@ -26,20 +26,21 @@ class Level:
     (norm inputs, activation-function derivatives, softmax outputs). ``None`` keeps them exact.
     ``masks``: ReLU, dropout and max-pool keep exact 1-bit masks or compact argmax offsets
     instead of full tensors. ``offload``: packed activations go to pinned host memory during
-    forward and come back in backward (CUDA only). ``defrag``: release cached allocator blocks
-    between forward and backward and use expandable segments (CUDA only). ``min_numel``:
+    forward and come back in backward (CUDA only). ``defrag``: turn PyTorch's expandable
+    segments on for the process (unless the allocator configuration sets them either way) and
+    release cached allocator blocks between forward and backward (CUDA only). ``min_numel``:
     smaller tensors are kept as they are (packing them gains nothing). ``nonlinear_bits``: bits
     for the saved tensors a backward reads through a nonlinearity, where rounding leaves a small
     bias (attention's q and k, which enter the recomputed softmax; the inputs a checkpointed
     region is recomputed from); ``None`` keeps them exact. ``sensitive_bits``: bits for the
     saved tensors whose rounding noise reaches every gradient before them (the loss's
-    probabilities, the root of backward; attention's v, which sets the small gradients of q
-    and k; the two operands of a gated product, each multiplying the other's whole gradient);
-    ``None``: ``other_bits``. ``boundary_bits``: bits for the inputs a checkpointed region
-    keeps to recompute itself from (``None``: ``nonlinear_bits``). ``avg_bits``: mixed
-    precision: an allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed
-    tensor, and each sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the
-    gradient is sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).
+    probabilities, the root of backward; attention's v, which sets the small gradients of q and
+    k; the two operands of a gated product, each multiplying the other's whole gradient);
+    ``None``: ``other_bits``. ``boundary_bits``: bits for the inputs a checkpointed region keeps
+    to recompute itself from (``None``: ``nonlinear_bits``). ``avg_bits``: mixed precision: an
+    allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed tensor, and each
+    sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the gradient is
+    sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).
     """
 
     name: str
@@ -119,7 +120,9 @@ L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True, nonlinear_bits=8, sens
 L4 = L3.with_(name="L4", offload=True,
               description="L3 + packed activations offloaded to pinned host memory (CUDA)")
 L5 = L4.with_(name="L5", defrag=True,
-              description="L4 + expandable segments and cache release between passes (CUDA)")
+              description="L4 + expandable segments (turned on for the process unless the "
+                          "allocator configuration sets them) and cache release between "
+                          "passes (CUDA)")
 
 LEVELS: dict[str, Level] = {lv.name: lv for lv in (L0, L1, L2, L3, L4, L5)}
 

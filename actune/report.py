@@ -273,7 +273,8 @@ def render(report: Report, console: Console) -> None:
             worst = max(split, key=lambda r: r.reserved_bytes / r.peak_bytes)
             lines.append(f"{worst.level} reserves {worst.reserved_bytes / worst.peak_bytes:.2f}x "
                          f"what it allocates (fragmentation): PYTORCH_CUDA_ALLOC_CONF="
-                         f"expandable_segments:True usually recovers most of it")
+                         f"expandable_segments:True usually recovers most of it (L5 turns "
+                         f"it on for its run)")
     elif report.mode == "estimate":  # what the figures leave out
         lines.append(ESTIMATE_CAVEAT)
     elif report.device.startswith("CPU"):

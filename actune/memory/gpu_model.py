@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from actune.memory.allocator_settings import user_sets_expandable_segments
 from actune.memory.cuda_allocator import AllocatorConfig, replay
 from actune.memory.gpu_profiles import (
     DeviceProfile,
@@ -64,6 +65,14 @@ class GpuModel:
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get(
             "PYTORCH_ALLOC_CONF")
         return cls(profile, AllocatorConfig.parse(conf), capacity)
+
+    def defragmenting(self) -> GpuModel:
+        """The model of an L5 run (``Level.defrag``): expandable segments on, as the level
+        turns them on, unless the user's configuration in ``env`` sets them either way
+        (:mod:`actune.memory.allocator_settings`)."""
+        if self.allocator.expandable_segments or user_sets_expandable_segments(self.env):
+            return self
+        return replace(self, allocator=replace(self.allocator, expandable_segments=True))
 
     def workspace_bytes(self) -> int:
         """One handle's cuBLAS workspace plus cuBLASLt's, if separate."""

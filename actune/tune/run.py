@@ -58,8 +58,11 @@ class Settings:
         return max(1, min(searches, self.jobs or available_workers()))
 
     def trial(self, workload: Workload, config, sizes: dict) -> Trial:
+        gpu = self.gpu if self.mode == "estimate" else None
+        if gpu is not None and get_config(config).level.defrag:
+            gpu = gpu.defragmenting()  # (L5 turns expandable segments on)
         return Trial(workload, config, sizes, self.mode, self.device, self.round_to,
-                     self.sharding, self.gpu if self.mode == "estimate" else None)
+                     self.sharding, gpu)
 
     @property
     def fixed(self) -> dict:
