@@ -17,6 +17,11 @@ Evaluation, generation and any forward without labels or without gradients run t
 own code. Under torch.compile the same happens inside the compiled graph (one graph, no
 break: the hooks and :func:`linear_cross_entropy` trace).
 
+Any other model's head (a linear layer with a vocabulary's outputs, in a model of one's own
+or one this module does not recognise) is marked instead: in eager training it returns lazy
+logits, and ``F.cross_entropy`` of them runs in chunks (:mod:`actune.lazy_logits`; not inside
+compiled graphs, where the head computes its logits).
+
 A model is recognised from its class's source, not from a table of families: the lines between
 its head and its loss must be one of :data:`BETWEEN_HEAD_AND_LOSS`'s known forms: nothing;
 Gemma's ``final_logit_softcapping``, applied in the chunks; a scale by a constant, which
@@ -36,6 +41,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from actune.lazy_logits import HEAD_MIN_CLASSES, is_head, mark_head, unmark_head
 from actune.linear_loss import linear_cross_entropy
 
 __all__ = ["BETWEEN_HEAD_AND_LOSS", "chunk_loss", "chunks_loss", "recognised"]
@@ -117,12 +123,32 @@ def chunk_loss(model: nn.Module, on: bool = True) -> int:
         elif not on and _HANDLES in module.__dict__:
             _detach(module)
             changed += 1
+    own = {id(m.lm_head) for m in model.modules() if _HANDLES in m.__dict__}
+    vocabularies = _vocabularies(model)
+    for module in model.modules():  # a plain head: F.cross_entropy(head(h), y) in chunks
+        if (_plain_head(module, vocabularies) and id(module) not in own
+                and is_head(module.weight) != on):
+            (mark_head if on else unmark_head)(module)
+            changed += 1
     return changed
+
+
+def _vocabularies(model: nn.Module) -> set[int]:
+    return {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def _plain_head(module: nn.Module, vocabularies: set[int]) -> bool:
+    """A linear layer with as many outputs as a token embedding of the model has rows (and
+    :data:`HEAD_MIN_CLASSES` or more): a language model's head, whatever the model. Not an
+    MLP's projection, nor a classifier over a label set of its own."""
+    return (isinstance(module, nn.Linear) and module.out_features >= HEAD_MIN_CLASSES
+            and module.out_features in vocabularies)
 
 
 def chunks_loss(model: nn.Module) -> bool:
     """Does ``model`` (or a model inside it) compute its loss in chunks?"""
-    return any(_HANDLES in m.__dict__ for m in model.modules())
+    return any(_HANDLES in m.__dict__ or (isinstance(m, nn.Linear) and is_head(m.weight))
+               for m in model.modules())
 
 
 def _attach(model: nn.Module) -> None:

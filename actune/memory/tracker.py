@@ -11,6 +11,7 @@ from torch.distributed._tools import mem_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from actune.lazy_logits import LazyLogits
 from actune.memory.trace import TraceRecorder
 
 
@@ -56,6 +57,11 @@ class PeakTracker(MemTracker):
 
     def _track_inputs_or_outputs(self, args) -> int:
         return 0
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        if type(t) is LazyLogits:
+            return  # no storage of its own: logits a loss will compute in chunks
+        super()._track(reftype, t)
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
         # MemTracker would put gradient hooks on every parameter, and a frozen one (LoRA's

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
 
+from actune.lazy_logits import LazyLogits, cross_entropy_in_chunks
 from actune.rules import register
 from actune.rules.activations import compressible
 from actune.saved import check_double_backward, take
@@ -35,6 +36,11 @@ def cross_entropy(s, func, args, kwargs, level):
     reduction = arg(args, kwargs, 6, "reduction", "mean")
     smoothing = float(arg(args, kwargs, 7, "label_smoothing", 0.0))
     legacy = (arg(args, kwargs, 3, "size_average", None), arg(args, kwargs, 5, "reduce", None))
+    if isinstance(x, LazyLogits):
+        out = cross_entropy_in_chunks(x, target, weight, ignore_index, reduction, smoothing,
+                                      legacy)
+        if out is not None:
+            return out
     if (not compressible(x, level) or x.dim() != 2 or not isinstance(target, torch.Tensor)
             or target.dim() != 1 or target.is_floating_point() or legacy != (None, None)
             or reduction not in ("mean", "sum", "none")

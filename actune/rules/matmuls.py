@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from actune.lazy_logits import LazyHead, is_head
 from actune.rules import register
-from actune.substitutes import OrderedConv, conv_args
+from actune.substitutes import OrderedConv, arg, conv_args
 
 PLAIN_CONVS = (F.conv1d, F.conv2d, F.conv3d)
 CONVS = (*PLAIN_CONVS, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
@@ -23,10 +24,21 @@ _KEEPS = "inputs rounded at matmul bits (backward linear in each)"
 #: weight (linear, addmm, matmul with a weight), packed one feature per group.
 FEATURES_LAST = (F.linear, torch.matmul, torch.mm, torch.addmm, torch.Tensor.matmul,
                  torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.addmm)
+_BY_FEATURE = "; a weight's input in groups along its tokens, one feature each"
 
-register(FEATURES_LAST, "matmul", "matmul",
-         _KEEPS + "; a weight's input in groups along its tokens, one feature each",
-         features_last=True)(None)
+register(FEATURES_LAST[1:], "matmul", "matmul", _KEEPS + _BY_FEATURE, features_last=True)(None)
+
+
+@register((F.linear,), "matmul", "matmul",
+          _KEEPS + _BY_FEATURE + "; a marked language model head's logits lazy (computed "
+          "in chunks by the loss)", features_last=True)
+def linear(s, func, args, kwargs, level):
+    """A head :func:`actune.chunk_loss` marked returns :class:`LazyLogits`; every other linear
+    layer runs as it is (its input packed by the hooks)."""
+    weight = arg(args, kwargs, 1, "weight", None)
+    if not is_head(weight):
+        return None
+    return LazyHead.apply(args[0], weight, arg(args, kwargs, 2, "bias", None))
 register((F.bilinear, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, torch.bmm,
           torch.baddbmm, torch.addbmm, torch.einsum, torch.Tensor.__rmatmul__,
           torch.Tensor.bmm, torch.Tensor.baddbmm),
