@@ -101,15 +101,33 @@ def _stack() -> list:
     return stack
 
 
+def _entry_of(cls: type) -> Fused | None:
+    """The :data:`FUSED` entry of exactly ``cls`` (converted classes run the op themselves),
+    looked up by name once per class: the hooks run at every module call, and the table is
+    filled at import."""
+    entry = _ENTRIES.get(cls, _UNSEEN)
+    if entry is _UNSEEN:
+        entry = _ENTRIES[cls] = FUSED.get(class_name(cls))
+    return entry
+
+
+_ENTRIES: dict[type, Fused | None] = {}
+_UNSEEN = object()
+
+
 def _pre_hook(module: nn.Module, args: tuple) -> None:
     if torch.compiler.is_compiling():
         return  # (compiled: the module's own chain, under the traced rules)
     when = getattr(_local, "when", None)
     if when is None:
-        return  # another thread's compressed() installed the hooks
-    entry = FUSED.get(class_name(type(module)))  # (converted classes run the op themselves)
+        return  # no compressed() open in this thread (another's installed the hooks)
+    entry = _ENTRIES.get(type(module), _UNSEEN)
+    if entry is _UNSEEN:
+        entry = _entry_of(type(module))
+    if entry is None:
+        return  # (most modules: nothing pushed, nothing for the post-hook to pop)
     fn = None
-    if (entry is not None and len(args) == 1 and isinstance(args[0], torch.Tensor)
+    if (len(args) == 1 and isinstance(args[0], torch.Tensor)
             and torch.is_grad_enabled() and args[0].is_floating_point()
             and entry.fits(module, args[0]) and when()):
         fn = entry.run
@@ -119,10 +137,10 @@ def _pre_hook(module: nn.Module, args: tuple) -> None:
 
 
 def _post_hook(module: nn.Module, args: tuple, output):
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or getattr(_local, "when", None) is None:
         return None
-    if getattr(_local, "when", None) is None:
-        return None
+    if _ENTRIES.get(type(module)) is None:
+        return None  # (no entry, or a class the pre-hook has not seen: nothing pushed)
     stack = _stack()
     if not stack or stack[-1][0] is not module:
         return None  # (entered before the hooks were installed)
