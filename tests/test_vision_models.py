@@ -85,3 +85,18 @@ def test_mobilenet_v3_small_is_torchvisions():
     assert keys[-2:] == ["classifier.3.weight", "classifier.3.bias"]
     with pytest.raises(ValueError, match="fixed depth"):
         zoo.mobilenet_v3_small(depth=2)
+
+
+def test_compress_converts_hardswish_and_hardsigmoid_and_keeps_over_10x_fewer():
+    torch.manual_seed(0)
+    model = zoo.MobileNetV3Small(num_classes=10, dropout=0.0)
+    actune.track_stats(actune.compress(model, "L3"))
+    kinds = {row.layer: row.keeps for row in actune.summary(model) if row.converted}
+    assert kinds["Hardswish"].startswith("packed derivative")
+    assert kinds["Hardsigmoid"] == "1-bit mask at L3"
+    x = torch.randn(4, 3, 96, 96, generator=torch.Generator().manual_seed(2))
+    F.cross_entropy(model(x), torch.arange(4)).backward()
+    stats = actune.stats_of(model)
+    assert stats.ratio >= 10 and not stats.exact, stats.describe_exact()
+    actune.decompress(model)
+    assert type(model.features[0][2]) is torch.nn.Hardswish
