@@ -130,8 +130,8 @@ SMOOTH_ACTIVATIONS = (F.hardswish, F.elu, F.selu, torch.selu, F.celu, torch.celu
                       F.softplus, F.logsigmoid, F.softsign, F.tanhshrink)
 
 register(SMOOTH_ACTIVATIONS, "activation", None,
-         "derivative rounded at other bits (used linearly), from forward-mode AD; RReLU's "
-         "random slopes as drawn")(derivative_rule)
+         "derivative rounded at other bits (used linearly), from PyTorch's own derivative "
+         "kernel before the output exists")(derivative_rule)
 
 
 _GENERIC: dict[Callable, Rule | None] = {}
