@@ -4,14 +4,15 @@ with the loss in chunks, in a model nobody wrote for actune.
 A language model of one's own (nanoGPT, minGPT, a research model) computes its logits with an
 ``nn.Linear`` head and hands them to ``F.cross_entropy``, often through a ``view`` that
 flattens the tokens. Those logits are the largest tensor of its step. Where
-:func:`actune.chunk_loss` marks such a head (:func:`mark_head`), its linear layer returns a
-:class:`LazyLogits` in training under a compressing level: a tensor of the logits' shape and
-dtype that holds the hidden states and the weight, no values. ``F.cross_entropy`` on it (the
-loss rule, :mod:`actune.rules.losses`) computes :func:`actune.linear_cross_entropy` from them,
-so the logits are never whole. Views of the token dims (``view``, ``reshape``, slices of
-them, a cast such as ``.float()``) stay lazy, replayed on the hidden states. Anything else
-(an ``argmax`` for accuracy, a label-smoothed loss, printing) computes the logits then, whole,
-as PyTorch would have, and gradients reach the head through :class:`LazyHead`'s backward.
+:func:`actune.chunk_loss` marks such a head (:func:`mark_head`), it returns a
+:class:`LazyLogits` in eager training: a tensor of the logits' shape and dtype that holds the
+hidden states and the weight, no values. ``F.cross_entropy`` on it (the loss rule of
+:mod:`actune.rules.losses` under a compressing level, the class's own ``__torch_function__``
+at an exact one) computes :func:`actune.linear_cross_entropy` from them, so the logits are
+never whole. Views of the token dims (``view``, ``reshape``, slices of them, a cast such as
+``.float()``) stay lazy, replayed on the hidden states. Anything else (an ``argmax`` for
+accuracy, a label-smoothed loss, ``logits.tolist()``) computes the logits then, whole, as
+PyTorch would have, and gradients reach the head through :class:`LazyHead`'s backward.
 
 Why a tensor subclass and not a rewrite of the model: the pattern is recognised where it runs,
 whatever the code around it, and every other use stays correct. What it holds: the hidden
@@ -112,7 +113,7 @@ class LazyLogits(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
-    def __repr__(self) -> str:  # (printing computes nothing)
+    def __repr__(self) -> str:  # (printing, a debugger's view: nothing computed; ``+ 0`` is)
         return f"LazyLogits(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def _with(self, step: tuple, shape, dtype=None) -> LazyLogits:
