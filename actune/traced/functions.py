@@ -8,7 +8,8 @@ partitioner saves the packed bytes. What each keeps mirrors the eager rules
 * a layer's input (linear, addmm with a weight): rounded at matmul bits, in groups along the
   tokens, one feature each; the weight stays a reference;
 * both operands of a product of two activations (``q @ k^T``, ``attn @ v``) at matmul bits;
-* an activation's derivative (GELU, SiLU, Hardswish, Mish) at other bits, used linearly;
+* an activation's derivative (GELU, SiLU, Hardswish, Mish, ELU, SELU, softplus, logsigmoid,
+  softsign, tanhshrink) at other bits, used linearly;
 * a piecewise-linear activation's two slopes (ReLU6, hardtanh, hardsigmoid, leaky ReLU): one
   bit per element;
 * a norm's normalised input at other bits, its ``rstd`` exact;
@@ -155,6 +156,9 @@ class BroadcastProduct(torch.autograd.Function):
         return g_big, g_small, None, None
 
 
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
 def _gelu_derivative(approximate: str):
     if approximate == "tanh":
         def tanh_form(x):
@@ -187,6 +191,18 @@ DERIVATIVES = {
         torch.ones_like(x), x), -0.5, 1.5),
     "mish": (F.mish, lambda x: torch.ops.aten.mish_backward(torch.ones_like(x), x), -0.1126,
              1.0885),
+    # at their default parameters (the handlers check them): derivatives within [0, 1], SELU's
+    # within [0, scale * alpha]
+    "elu": (F.elu, lambda x: torch.ops.aten.elu_backward(torch.ones_like(x), 1.0, 1, 1, False,
+                                                          x), 0.0, 1.0),
+    "selu": (F.selu, lambda x: torch.ops.aten.elu_backward(
+        torch.ones_like(x), _SELU_ALPHA, _SELU_SCALE, 1, False, x), 0.0,
+        _SELU_ALPHA * _SELU_SCALE),
+    "softplus": (F.softplus, lambda x: torch.ops.aten.softplus_backward(torch.ones_like(x), x,
+                                                                        1.0, 20.0), 0.0, 1.0),
+    "logsigmoid": (F.logsigmoid, lambda x: torch.sigmoid(-x), 0.0, 1.0),
+    "softsign": (F.softsign, lambda x: (x.abs() + 1).square().reciprocal(), 0.0, 1.0),
+    "tanhshrink": (F.tanhshrink, lambda x: torch.tanh(x).square(), 0.0, 1.0),
 }
 
 

@@ -127,6 +127,27 @@ def _mish(level, args, kwargs):
     return _in_place(args[0], out, arg(args, kwargs, 1, "inplace", False))
 
 
+def _smooth(name: str, defaults: tuple = (), inplace_at: int | None = None) -> Handler:
+    """The derivative rule of an activation with parameters, at their defaults only
+    (``defaults``: ``(position, keyword, value)`` each; other values: PyTorch's own)."""
+    def handler(level, args, kwargs):
+        if any(arg(args, kwargs, i, key, value) != value for i, key, value in defaults):
+            return None
+        inplace = inplace_at is not None and arg(args, kwargs, inplace_at, "inplace", False)
+        out = _derivative(name)(level, args[:1], {})
+        return _in_place(args[0], out, inplace)
+    return handler
+
+
+_register(F.elu)(_smooth("elu", ((1, "alpha", 1.0),), 2))
+_register(F.celu)(_smooth("elu", ((1, "alpha", 1.0),), 2))  # (CELU at alpha 1 is ELU)
+_register(F.selu)(_smooth("selu", (), 1))
+_register(F.softplus)(_smooth("softplus", ((1, "beta", 1.0), (2, "threshold", 20.0))))
+_register(F.logsigmoid)(_smooth("logsigmoid"))
+_register(F.softsign)(_smooth("softsign"))
+_register(F.tanhshrink)(_smooth("tanhshrink"))
+
+
 def _two_slopes(level, x, inplace, name: str, a: float, b: float):
     if not level.masks or not _activation(x, level):
         return None

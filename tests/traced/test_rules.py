@@ -72,6 +72,10 @@ def _case(name):
         return (lambda x: F.hardsigmoid(x * 4, True)), (r(8, 300),)
     if name == "mish":
         return (lambda x: F.mish(x * 2)), (r(8, 512),)
+    if name in ("elu", "selu", "softplus", "logsigmoid", "softsign", "tanhshrink"):
+        return getattr(F, name), (r(8, 512),)
+    if name == "elu_inplace":
+        return (lambda x: F.elu(x * 1, inplace=True)), (r(8, 512),)
     if name == "relu6":
         return (lambda x: F.relu6(x * 4)), (r(8, 300),)
     if name == "hardtanh":
@@ -134,7 +138,8 @@ def _channels_last(x):
 
 
 CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "hardswish",
-         "hardswish_inplace", "mish", "relu6", "hardtanh", "hardsigmoid", "hardsigmoid_inplace",
+         "hardswish_inplace", "mish", "elu", "elu_inplace", "selu", "softplus", "logsigmoid",
+         "softsign", "tanhshrink", "relu6", "hardtanh", "hardsigmoid", "hardsigmoid_inplace",
          "leaky_relu", "layer_norm", "rms_norm",
          "softmax", "mul", "attention_map", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv",
          "conv_channels_last", "relu", "relu_channels_last", "relu_inplace", "relu_",
@@ -174,7 +179,8 @@ def test_the_rules_run_where_they_apply():
             y = fn(*_activations(inputs))
         node = y.grad_fn
         # in place: the copy over the input, then the rule
-        if name in ("relu_inplace", "relu_", "hardswish_inplace", "hardsigmoid_inplace"):
+        if name in ("relu_inplace", "relu_", "hardswish_inplace", "hardsigmoid_inplace",
+                    "elu_inplace"):
             assert type(node).__name__ == "CopyBackwards", name
             node = next(f for f, _ in node.next_functions if f is not None
                         and type(f).__name__.startswith(("Masked", "Packed", "TwoSlopes")))
@@ -189,6 +195,10 @@ def test_leaves_and_small_tensors_keep_the_op():
         assert type(F.gelu(x * 1).grad_fn).__name__ == "GeluBackward0"  # too small
     with TracedMode(_level(2)):
         assert type(F.gelu(x).grad_fn).__name__ == "GeluBackward0"  # a leaf
+    y = torch.randn(8, 512, requires_grad=True)
+    with TracedMode(_level(2)):  # parameters other than the defaults the grids are made for
+        assert type(F.elu(y * 1, 0.5).grad_fn).__name__ == "EluBackward0"
+        assert type(F.softplus(y * 1, beta=2.0).grad_fn).__name__ == "SoftplusBackward0"
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch_ops", "numba_op"])
