@@ -37,6 +37,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
+from actune import lazy_logits
 from actune.autoprec import AutoPrecision
 from actune.fused import fused_modules
 from actune.keeping import _OUTSIDE, CompressionStats, Keeper, _dropper
@@ -338,6 +339,9 @@ def active_level() -> Level | None:
     """The level of this thread's innermost open :func:`compressed` block (None outside)."""
     s = getattr(_local, "session", None)
     return s.levels[-1] if s is not None and s.levels else None
+
+
+lazy_logits.provide(active_level=active_level)  # (it cannot import this module: see there)
 
 
 def allow_overwrite(t: torch.Tensor) -> torch.Tensor:

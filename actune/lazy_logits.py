@@ -23,6 +23,7 @@ any linear layer's (``matmul_bits``), used only where the logits were computed.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -34,11 +35,23 @@ from torch.utils.weak import WeakIdKeyDictionary
 from actune.saved import check_double_backward
 
 __all__ = ["HEAD_MIN_CLASSES", "LazyHead", "LazyLogits", "cross_entropy_in_chunks",
-           "is_head", "lazy_head_forward", "mark_head", "unmark_head"]
+           "is_head", "lazy_head_forward", "mark_head", "provide", "unmark_head"]
 
 #: A linear layer with as many outputs as a token embedding of its model has rows is taken for
 #: the model's head from this many (smaller vocabularies' logits are small).
 HEAD_MIN_CLASSES = 8192
+
+#: What this module calls from the modules above it, given by them as they load
+#: (:func:`provide`): importing them here would close a loop, as the session's module imports
+#: the rules, which import this one. ``active_level`` (:mod:`actune.hooks`) and
+#: ``linear_cross_entropy`` (:mod:`actune.linear_loss`).
+_ABOVE: dict[str, Callable] = {}
+
+
+def provide(**functions: Callable) -> None:
+    """Give this module the functions of :data:`_ABOVE` (called by their modules)."""
+    _ABOVE.update(functions)
+
 
 _HEADS = WeakIdKeyDictionary()  # the marked heads' weights (by identity: tensors' == is
 #                                  elementwise)
@@ -71,10 +84,7 @@ def lazy_head_forward(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
             or not (hidden.requires_grad or head.weight.requires_grad)):
         return F.linear(hidden, head.weight, head.bias)
-    from actune.hooks import active_level  # (the session's module imports the rules, which
-    # import this one)
-
-    level = active_level()
+    level = _ABOVE["active_level"]()
     if level is None or level.exact:
         return LazyHead.apply(hidden, head.weight, head.bias)
     return F.linear(hidden, head.weight, head.bias)
@@ -214,11 +224,8 @@ def cross_entropy_in_chunks(x: LazyLogits, target, weight, ignore_index: int, re
             or reduction not in ("mean", "sum", "none") or not isinstance(target, torch.Tensor)
             or target.is_floating_point() or target.shape != x.shape[:-1]):
         return None
-    from actune.linear_loss import linear_cross_entropy  # (it imports the session's module,
-    # whose function mode imports the rules, which import this module)
-
     hidden, weight, bias = x.connected()
-    loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
+    loss = _ABOVE["linear_cross_entropy"](hidden, weight, target, bias, ignore_index=ignore_index,
                                 reduction=reduction)
     return loss.to(x.dtype)
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
 
+from actune import lazy_logits
 from actune.hooks import _session, active_level
 from actune.saved import check_double_backward, take
 
@@ -257,3 +258,6 @@ class LinearCrossEntropy(torch.autograd.Function):
         return (grads.h, None if grads.weight is None else grads.weight.to(weight.dtype),
                 None if grads.bias is None else grads.bias.to(bias.dtype),
                 None, None, None, None)
+
+
+lazy_logits.provide(linear_cross_entropy=linear_cross_entropy)  # (see there)
