@@ -55,6 +55,7 @@ def provide(**functions: Callable) -> None:
 
 _HEADS = WeakIdKeyDictionary()  # the marked heads' weights (by identity: tensors' == is
 #                                  elementwise)
+_HEAD_IDS: set[int] = set()  # their ids: every linear layer asks, most answer in one lookup
 
 _aten = torch.ops.aten
 _VIEWS = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default})
@@ -65,16 +66,19 @@ def mark_head(head: nn.Linear) -> None:
     """Let ``head`` return :class:`LazyLogits` in training: through the linear rule under a
     compressing level, through :func:`lazy_head_forward` at an exact one."""
     _HEADS[head.weight] = True
+    _HEAD_IDS.add(id(head.weight))
     head.forward = functools.partial(lazy_head_forward, head)
 
 
 def unmark_head(head: nn.Linear) -> None:
     _HEADS.pop(head.weight, None)
+    _HEAD_IDS.discard(id(head.weight))
     head.__dict__.pop("forward", None)
 
 
 def is_head(weight: torch.Tensor) -> bool:
-    return weight in _HEADS
+    # (an id can outlive its tensor and name another: the weak table decides)
+    return id(weight) in _HEAD_IDS and weight in _HEADS
 
 
 def lazy_head_forward(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:

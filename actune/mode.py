@@ -23,8 +23,9 @@ from torch.overrides import TorchFunctionMode
 
 from actune.autoprec import AutoPrecision
 from actune.quant import compiling as _compiling
-from actune.rules import funcs_of, rule_for
+from actune.rules import RULES, funcs_of
 from actune.rules.matmuls import CONVS, PLAIN_CONVS
+from actune.rules.pointwise import generic_rule
 from actune.substitutes import arg, as_tuple
 from actune.traced import dispatch, traced
 
@@ -130,7 +131,9 @@ class FunctionMode(TorchFunctionMode):
 
     def _run(self, func, args, kwargs):
         s = self.s
-        rule = rule_for(func)
+        rule = RULES.get(func)
+        if rule is None:  # (the generic rule's lookup: only for functions without their own)
+            rule = generic_rule(func)
         previous = _label(s, func, rule, args, kwargs)
         try:
             if (self.substitutes and rule is not None and rule.replace is not None

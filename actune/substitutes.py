@@ -331,10 +331,10 @@ class MaskedPReLU(torch.autograd.Function):
 
 
 def _channels(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """PReLU's weight broadcast over ``like``: one value, or one per channel (dim 1; dim 0 of
-    a 1-D input)."""
-    if weight.numel() == 1 or like.dim() < 2:
-        return weight.reshape(-1) if like.dim() < 2 else weight.reshape(())
+    """PReLU's weight broadcast over ``like`` (2 dims or more): one value, or one per channel
+    (dim 1)."""
+    if weight.numel() == 1:
+        return weight.reshape(())
     return weight.reshape(-1, *(1,) * (like.dim() - 2))
 
 

@@ -110,13 +110,13 @@ def without_pointwise():
                if r.replace is not None and r.replace.__name__ in names}
     for f in removed:
         del RULES[f]
-    generic, pointwise.generic_rule.__globals__["_RULE"] = pointwise._RULE, None
+    generic, pointwise._RULE = pointwise._RULE, None
     pointwise._GENERIC.clear()
     try:
         yield
     finally:
         RULES.update(removed)
-        pointwise.generic_rule.__globals__["_RULE"] = generic
+        pointwise._RULE = generic
         pointwise._GENERIC.clear()
 
 

@@ -124,12 +124,9 @@ def derivative_rule(s, func, args, kwargs, level):
     return out
 
 
-#: The smooth activations of ``torch.nn.functional`` (and their ``torch`` spellings); the
-#: piecewise-linear ones keep masks (:mod:`actune.rules.masks`).
-SMOOTH_ACTIVATIONS = (F.hardswish, F.elu, F.selu, torch.selu, F.celu, torch.celu, F.mish,
-                      F.softplus, F.logsigmoid, F.softsign, F.tanhshrink)
-
-register(SMOOTH_ACTIVATIONS, "activation", None,
+# the smooth activations of ``torch.nn.functional`` (and their ``torch`` spellings); the
+# piecewise-linear ones keep masks (:mod:`actune.rules.masks`)
+register(CLOSED_FORMS, "activation", None,
          "derivative rounded at other bits (used linearly), from PyTorch's own derivative "
          "kernel before the output exists")(derivative_rule)
 
