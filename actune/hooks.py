@@ -43,7 +43,7 @@ from actune.fused import fused_modules
 from actune.keeping import _OUTSIDE, CompressionStats, Keeper, _dropper
 from actune.keeping import OTHER as _OTHER
 from actune.levels import Level, get_level
-from actune.mode import FunctionMode, parameter_like, top_hooks
+from actune.mode import NARROW, FunctionMode, parameter_like, top_hooks
 from actune.quant import pack_mask
 from actune.recompute import (
     REENTRANT,
@@ -77,6 +77,7 @@ def _zero_code_bits(level: Level) -> int | None:
 #: Rule bits -> the level's width for them.
 _WIDTHS: dict[str, Callable[[Level], int | None]] = {
     _MATMUL: lambda level: level.matmul_bits,
+    NARROW: lambda level: level.narrow_width,
     _OTHER: lambda level: level.other_bits,
     _ZEROS: _zero_code_bits,
 }
@@ -109,6 +110,8 @@ class _Session(Keeper):
         self.references: set[int] | tuple = ()
         # the ids of what the running op keeps exact on purpose (a broadcast operand)
         self.exact_ids: set[int] | tuple = ()
+        # the shapes of the frozen weights the running matmul reads (see pack_hook)
+        self.frozen_shapes: frozenset | tuple = ()
         self.last_matmul = None  # statistics steps: the last matmul call (output, func, args)
         # tensors a batch norm may write its result over, once (allow_overwrite)
         self.overwritable = WeakIdKeyDictionary()
@@ -145,6 +148,10 @@ class _Session(Keeper):
         if parameter_like(t) or id(t) in self.references:
             return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.count(t) if counting else True
+        if self.frozen_shapes and _copy_of_frozen(t, self.frozen_shapes):
+            # autocast's copy of a frozen weight (a LoRA model's base, bf16-mixed): backward
+            # reads it for the input's gradient alone, which rounding would make noisy below
+            return self._keep(t, new, f"{op_name(self.op)} frozen weight (autocast copy)")
         if self.op is None and self.stats_sink is not None and self._compiled_save(t, new):
             return t  # what a compiled graph packed (see _compiled_save)
         if self.exact_ids and id(t) in self.exact_ids:
@@ -181,11 +188,11 @@ class _Session(Keeper):
             return self._keep(t, new)  # a norm's own statistics (mean, rstd): kept exact
         ap = None if self.autoprec is None else self.allocator()
         by_feature = self.features and not (ap is not None and ap.splits_samples(t))
-        if ap is not None:
+        if ap is not None and self.kind is not NARROW:  # (a narrow input's width is fixed)
             return self._pack_allocated(t, self.kind, by_feature)
         zeros = self.kind == _ZEROS  # (accounted as PackedReLU's are)
-        return self._pack(t, bits, "relu" if zeros else self.kind, by_feature=by_feature,
-                          zero_code=zeros)
+        return self._pack(t, bits, "relu" if zeros else _MATMUL if self.kind is NARROW
+                          else self.kind, by_feature=by_feature, zero_code=zeros)
 
     def _compress_recomputation(self, saver: object, t: torch.Tensor) -> None:
         """A checkpointed region saves its input ``t``: compress what its recomputation
@@ -377,6 +384,15 @@ def shared_cache(autoprec: AutoPrecision | None = None) -> Iterator[None]:
         s.holds -= 1
         if not s.holds and not s.levels:
             s.clear()
+
+
+def _copy_of_frozen(t: torch.Tensor, shapes: frozenset) -> bool:
+    """Is ``t`` (or the tensor it views) a copy of a frozen weight of one of ``shapes``: a
+    tensor outside autograd, as autocast's cast of a weight without gradient is?"""
+    if not t.is_leaf or t.requires_grad:
+        return False
+    base = t._base if t._base is not None else t
+    return base.shape in shapes
 
 
 @contextlib.contextmanager

@@ -17,6 +17,11 @@ from actune_kernels import layout
 __all__ = ["LEVELS", "Level", "get_level", "mixed", "parse_levels", "uniform"]
 
 
+#: A layer whose output has this many times its input's features or more keeps its input at
+#: :attr:`Level.narrow_width`.
+WIDENING = 8
+
+
 @dataclass(frozen=True)
 class Level:
     """What a level compresses.
@@ -89,6 +94,20 @@ class Level:
     def boundary_width(self) -> int | None:
         """The bits of a checkpointed region's inputs (None: exact)."""
         return self.boundary_bits if self.boundary_bits is not None else self.nonlinear_bits
+
+    @property
+    def narrow_width(self) -> int | None:
+        """The bits of a layer's input with 1/:data:`WIDENING` of its output's features or
+        fewer (an adapter's rank-r input to its B matrix): ``nonlinear_bits`` if wider than
+        ``matmul_bits`` (None where those are kept exact). Such an input costs a fraction of
+        its output's memory, and its noise goes whole into the weight gradient."""
+        if self.matmul_bits is None:
+            return None
+        return max(self.matmul_bits, self.nonlinear_bits or 0)
+
+    def widens(self, features_in: int, features_out: int) -> bool:
+        """Does a layer of these widths take :attr:`narrow_width` for its input?"""
+        return features_in * WIDENING <= features_out
 
     @functools.cached_property  # (read on every routed call; the level is frozen)
     def exact(self) -> bool:

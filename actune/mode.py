@@ -57,7 +57,12 @@ _QUERIES = frozenset({torch.Tensor.dim, torch.Tensor.size, torch.Tensor.stride,
 def parameter_like(t: torch.Tensor) -> bool:
     """A parameter, a view of one (a transposed weight) or its autocast copy."""
     if t.is_leaf:  # (a parameter is a leaf: most saved tensors skip the slow isinstance)
-        return t.requires_grad or _is_parameter(t)
+        if t.requires_grad or _is_parameter(t):
+            return True
+        # a frozen weight's transpose (a LoRA model's base layer) is a leaf view: rounding it
+        # would add noise to every input gradient below and save nothing
+        base = t._base
+        return base is not None and _is_parameter(base)
     base = t._base
     if base is not None:  # a view: of a weight (transposed) or of an autocast copy of one
         if base.is_leaf:
@@ -143,7 +148,8 @@ class FunctionMode(TorchFunctionMode):
                     return out
             return func(*args, **kwargs)
         finally:
-            s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids = previous
+            (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
+             s.frozen_shapes) = previous
 
 
     def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
@@ -186,8 +192,14 @@ class FunctionMode(TorchFunctionMode):
 def _label(s, func, rule, args, kwargs) -> tuple:
     """Tell session ``s`` which op runs and how its rule keeps what it saves (the pack hook
     reads it); returns what to restore after the call."""
-    previous = s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids
+    previous = (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
+                s.frozen_shapes)
     s.exact_ids = ()
+    # a frozen weight's autocast copy is no parameter, and rounding it would add noise to
+    # every input gradient below: the pack hook keeps it exact by its shape
+    s.frozen_shapes = frozenset(
+        a.shape for a in args if isinstance(a, torch.Tensor) and not a.requires_grad
+        and _is_parameter(a)) if rule is not None and rule.family == "matmul" else ()
     only, refs = None, ()
     if rule is not None and rule.only_input_shape and isinstance(args[0], torch.Tensor):
         # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
@@ -202,6 +214,9 @@ def _label(s, func, rule, args, kwargs) -> tuple:
     s.features = rule is not None and rule.features_last and (
         rule.family != "matmul"
         or any(isinstance(a, torch.Tensor) and parameter_like(a) for a in args))
+    if (s.features and rule.family == "matmul" and s.level is not None
+            and _widens(s.level, func, args, kwargs)):
+        s.kind = NARROW
     return previous
 
 
@@ -302,6 +317,24 @@ def _operand(func, args):
     """The activation a call reads first: its first argument, or the second for
     ``addmm``-like calls (``bias + x @ w``)."""
     return args[1] if func in _ADDED_FIRST and len(args) > 1 else args[0]
+
+
+#: The kind of a layer's input that keeps :attr:`Level.narrow_width`.
+NARROW = "narrow"
+
+
+def _widens(level, func, args, kwargs) -> bool:
+    """Does ``func`` (a matmul with a weight) widen its activation as
+    :meth:`Level.widens` says?"""
+    x = _operand(func, args)
+    if func is F.linear:
+        weight = arg(args, kwargs, 1, "weight", None)
+        out = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 0
+    else:
+        weight = args[2] if func in _ADDED_FIRST and len(args) > 2 else (
+            args[1] if len(args) > 1 else None)
+        out = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() >= 2 else 0
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and level.widens(x.shape[-1], out)
 
 
 def _first_tensor(out) -> torch.Tensor | None:

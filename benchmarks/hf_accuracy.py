@@ -82,12 +82,30 @@ def _llama_like(config_class, model_class):
     return build
 
 
+def _gelu_family(config_class, model_class, dropouts):
+    """A GELU family (a 4x MLP, heads of 32, no dropout): GPT-NeoX (exact GELU, rotary,
+    parallel attention and MLP), Phi (``gelu_new``, partial rotary, parallel blocks)."""
+
+    def build(layers: int, width: int, context: int, dropout: float):
+        return getattr(transformers, model_class)(getattr(transformers, config_class)(
+            vocab_size=256, hidden_size=width, num_hidden_layers=layers,
+            num_attention_heads=max(1, width // 32), intermediate_size=4 * width,
+            max_position_embeddings=context, bos_token_id=0, eos_token_id=0,
+            tie_word_embeddings=False, **dict.fromkeys(dropouts, dropout)))
+
+    return build
+
+
 #: --family: how to build each family's model (layers, width, context, dropout).
 FAMILIES = {
     "gpt2": _gpt2,
     "llama": _llama_like("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": _llama_like("Qwen2Config", "Qwen2ForCausalLM"),  # q, k, v with biases
     "mistral": _llama_like("MistralConfig", "MistralForCausalLM"),
+    "gpt_neox": _gelu_family("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                             ("hidden_dropout", "attention_dropout")),
+    "phi": _gelu_family("PhiConfig", "PhiForCausalLM",
+                        ("resid_pdrop", "embd_pdrop", "attention_dropout")),
 }
 
 
@@ -219,7 +237,8 @@ def report(args, levels: list[str], runs: list[dict]) -> None:
     """The validation losses per level and seed, and the mean curves."""
     final = {lv: statistics.fmean(r["final"] for r in runs if r["level"] == lv) for lv in levels}
     table = Table(title=f"byte-level {args.family} ({args.form}; {args.layers} layers, "
-                        f"{args.width} wide, {args.context} tokens) on pydoc_data.topics, "
+                        f"{args.width} wide, {args.context} tokens) on "
+                        f"{getattr(args, 'corpus', 'pydoc_data.topics')}, "
                         f"{args.steps} steps, {args.seeds} seeds: validation loss (nats/byte)")
     seeds = sorted({r["seed"] for r in runs})
     for col in ("level", *(f"seed {s}" for s in seeds), "mean", "vs L0", "s/run"):

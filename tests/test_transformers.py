@@ -324,3 +324,16 @@ def test_compress_without_a_level_picks_the_familys_measured_default():
                         (actune.compress(gpt2(), "L3"), "L3")):
         assert model.__dict__[_ROOT_LEVEL_ATTR].name == name
     assert actune.autoprec_of(actune.compress(gpt2())) is None  # L2 allocates nothing
+
+
+def test_a_model_fine_tuned_through_adapters_gets_l3_whatever_its_family():
+    # (GPT-2's L2 is its measurement trained from scratch; its LoRA fine-tune holds L3)
+    peft = pytest.importorskip("peft")
+    from actune.tune.adapters import with_lora
+
+    assert actune.default_level(with_lora(gpt2(), 4)).name == "L3"
+    # peft's layers injected into the model itself are recognised as well
+    base = gpt2()
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["c_attn"]), base)
+    assert actune.default_level(base).name == "L3"
+    assert actune.default_level(gpt2()).name == "L2"

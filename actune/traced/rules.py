@@ -54,12 +54,21 @@ def _activation(t, level: Level) -> bool:
             and not (t.is_leaf and t.requires_grad) and t.numel() >= level.min_numel)
 
 
+def _input_width(level: Level, x: torch.Tensor, features_out: int) -> int:
+    """A layer's input's bits: :attr:`Level.narrow_width` where the layer widens it (an
+    adapter's B matrix), else ``matmul_bits``."""
+    if level.widens(x.shape[-1], features_out):
+        return level.narrow_width
+    return level.matmul_bits
+
+
 @_register(F.linear)
 def _linear(level, args, kwargs):
     x, w, b = args[0], arg(args, kwargs, 1, "weight", None), arg(args, kwargs, 2, "bias", None)
-    if level.matmul_bits is None or not _activation(x, level) or not isinstance(w, torch.Tensor):
+    if (level.matmul_bits is None or not _activation(x, level) or not isinstance(w, torch.Tensor)
+            or not w.requires_grad):  # (a frozen weight: PyTorch's own op keeps no input)
         return None
-    return PackedLinear.apply(x, w, b, level.matmul_bits, level.group_size)
+    return PackedLinear.apply(x, w, b, _input_width(level, x, w.shape[0]), level.group_size)
 
 
 @_register(torch.addmm, torch.Tensor.addmm)
@@ -69,9 +78,10 @@ def _addmm(level, args, kwargs):
         return None
     b, x, w = args
     if (level.matmul_bits is None or not _activation(x, level) or not isinstance(w, torch.Tensor)
-            or not w.is_leaf or b.dim() != 1):
+            or not w.is_leaf or not w.requires_grad or b.dim() != 1):
         return None
-    return PackedLinear.apply(x, w.t(), b, level.matmul_bits, level.group_size)
+    return PackedLinear.apply(x, w.t(), b, _input_width(level, x, w.shape[-1]),
+                              level.group_size)
 
 
 @_register(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
@@ -84,7 +94,10 @@ def _matmul(level, args, kwargs):
                                          and isinstance(b, torch.Tensor)):
         return None
     if b.is_leaf and b.dim() == 2 and _activation(a, level):  # x @ weight
-        return PackedLinear.apply(a, b.t(), None, level.matmul_bits, level.group_size)
+        if not b.requires_grad:  # frozen: PyTorch's own op keeps no input
+            return None
+        return PackedLinear.apply(a, b.t(), None, _input_width(level, a, b.shape[-1]),
+                                  level.group_size)
     if (_activation(a, level) and _activation(b, level) and a.dim() == b.dim() >= 3
             and a.shape[:-2] == b.shape[:-2]):
         return PackedProduct.apply(a, b, level.matmul_bits, level.group_size,

@@ -1,8 +1,9 @@
 """``--lora R``: the tuner's model with LoRA adapters on its linear layers (``peft``), its own
 weights frozen: no gradient and no optimizer state for them, as a LoRA fine-tune runs.
 
-The adapters go on every ``nn.Linear`` but the output layer (a Hugging Face model's output
-embeddings, else the last linear layer a model declares), as peft's ``"all-linear"`` does;
+The adapters go on every ``nn.Linear`` (and GPT-2's ``Conv1D``) but the output layer (a
+Hugging Face model's output embeddings, else the last linear layer a model declares), as
+peft's ``"all-linear"`` does;
 rank ``R``, alpha ``2R``, no dropout. The adapters take the model's dtype (bfloat16 under
 ``--precision bf16-true``: peft's float32 copies of them would be a cast that fake
 parameters cannot take, and their size is a rounding error beside the frozen weights').
@@ -11,6 +12,7 @@ parameters cannot take, and their size is a rounding error beside the frozen wei
 from __future__ import annotations
 
 import contextlib
+import sys
 from unittest import mock
 
 import torch
@@ -20,9 +22,18 @@ from torch._subclasses.fake_tensor import FakeTensor
 __all__ = ["targets", "with_lora"]
 
 
+def _linear_classes() -> tuple[type[nn.Module], ...]:
+    """``nn.Linear``, and Hugging Face's ``Conv1D`` (GPT-2's transposed linear layer, which
+    peft adapts as one) where transformers is loaded."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(pytorch_utils, "Conv1D", None)
+    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
+
+
 def targets(model: nn.Module) -> list[str]:
     """The names of the linear layers that take adapters (see the module docstring)."""
-    linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    classes = _linear_classes()
+    linear = [name for name, m in model.named_modules() if isinstance(m, classes)]
     get_output = getattr(model, "get_output_embeddings", None)
     head = get_output() if callable(get_output) else None
     if isinstance(head, nn.Linear):

@@ -398,3 +398,19 @@ def test_dropout_keeps_a_key_and_draws_its_mask_again():
     assert torch.equal(y, torch.where(kept, x / 0.7, 0))
     assert torch.allclose(gx, torch.where(kept, g / 0.7, 0))
     assert all(t.numel() == 1 for t in saved), [tuple(t.shape) for t in saved]
+
+
+@pytest.mark.parametrize("call", ["linear", "addmm", "matmul"])
+def test_a_frozen_weight_keeps_the_op(call):
+    # PyTorch's own op keeps no input where the weight takes no gradient (a LoRA model's
+    # base): packing one would cost memory and time for a gradient nobody computes
+    w = torch.randn(48, 32) if call == "linear" else torch.randn(32, 48)  # (as layers hold it)
+    x = torch.randn(256, 32, requires_grad=True) * 1
+    calls = {"linear": lambda: F.linear(x, w), "addmm": lambda: torch.addmm(
+        torch.zeros(48), x, w), "matmul": lambda: x @ w}
+    with TracedMode(_level(2)):
+        frozen = calls[call]()
+        w.requires_grad_()
+        trained = calls[call]()
+    assert not type(frozen.grad_fn).__name__.startswith("Packed")
+    assert type(trained.grad_fn).__name__.startswith("Packed")

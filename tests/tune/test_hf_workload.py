@@ -219,10 +219,11 @@ def test_lora_freezes_the_base_weights_and_fits_more(configs):
         assert a["peak_parts"]["optimizer"] < f["peak_parts"]["optimizer"] / 10
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
-def test_a_lora_workload_trains_only_its_adapters(configs, precision):
+@pytest.mark.parametrize(("family", "precision"), [("llama", "32-true"), ("llama", "bf16-true"),
+                                                   ("gpt2", "32-true")])
+def test_a_lora_workload_trains_only_its_adapters(configs, family, precision):
     pytest.importorskip("peft")
-    work = hf_workload(str(configs / "llama"))
+    work = hf_workload(str(configs / family))  # (GPT-2's layers: transformers' Conv1D)
     work.precision, work.lora = precision, 4
     model = work.model()
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
