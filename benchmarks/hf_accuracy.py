@@ -2,8 +2,9 @@
 
 ``pydoc_data.topics`` ships with every Python (about 465 KB of English text about Python): the
 last tenth is held out for validation. A small model of one family (``--family``: ``gpt2``,
-``llama``, ``qwen2``; random init from a config, vocabulary of 256 bytes) is trained at each
-level, with ``actune.compress(model, level)``, or (``--form compressed``) with the forward and
+``llama``, ``qwen2``, ``mistral``, and two more GELU families: ``gpt_neox``, ``phi``; random
+init from a config, vocabulary of 256 bytes) is trained at each level, with
+``actune.compress(model, level)``, or (``--form compressed``) with the forward and
 loss inside ``with actune.compressed(level)`` (no allocator, the README's first form; with one:
 ``--form compressed-autoprec``); the same steps, data order and seeds, AdamW with
 a warm-up and a cosine decay. The validation loss (nats per byte) is recorded every ``--every``
@@ -208,18 +209,7 @@ def main() -> None:
     parser.add_argument("--load", default=None, help="comma-separated JSON files to print")
     args = parser.parse_args()
     if args.load:
-        loaded = [json.loads(Path(f).read_text()) for f in args.load.split(",")]
-        runs = [r for data in loaded for r in data["runs"]]
-        for data in loaded:  # runs of the other form beside these: named apart
-            if data["args"].get("form", "compress") != loaded[0]["args"].get("form",
-                                                                              "compress"):
-                for r in data["runs"]:
-                    r["level"] = f"{r['level']} {data['args']['form']}()"
-        for key in ("family", "form", "layers", "width", "context"):  # (as they were run)
-            setattr(args, key, loaded[0]["args"].get(key, getattr(args, key)))
-        levels = list(dict.fromkeys(r["level"] for r in runs))
-        args.seeds = len({r["seed"] for r in runs})
-        args.steps = runs[0]["curve"][-1][0]
+        levels, runs = load(args)
         report(args, levels, runs)
         return
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
@@ -231,6 +221,25 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+
+
+def load(args) -> tuple[list[str], list[dict]]:
+    """The levels and runs saved with ``--json`` in the files ``args.load`` names (runs of
+    another form than the first file's named apart); ``args`` takes the settings they were run
+    with."""
+    loaded = [json.loads(Path(f).read_text()) for f in args.load.split(",")]
+    runs = [r for data in loaded for r in data["runs"]]
+    first = loaded[0]["args"].get("form", "compress")
+    for data in loaded:
+        form = data["args"].get("form", "compress")
+        if form != first:
+            for r in data["runs"]:
+                r["level"] = f"{r['level']} {form}()"
+    for key in ("family", "form", "layers", "width", "context"):
+        setattr(args, key, loaded[0]["args"].get(key, getattr(args, key)))
+    args.seeds = len({r["seed"] for r in runs})
+    args.steps = runs[0]["curve"][-1][0]
+    return list(dict.fromkeys(r["level"] for r in runs)), runs
 
 
 def report(args, levels: list[str], runs: list[dict]) -> None:

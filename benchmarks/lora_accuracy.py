@@ -188,17 +188,7 @@ def main() -> None:
     parser.add_argument("--load", default=None, help="comma-separated JSON files to print")
     args = parser.parse_args()
     if args.load:
-        loaded = [json.loads(Path(f).read_text()) for f in args.load.split(",")]
-        runs = [r for data in loaded for r in data["runs"]]
-        for data in loaded:  # runs of the other form beside these: named apart
-            if data["args"]["form"] != loaded[0]["args"]["form"]:
-                for r in data["runs"]:
-                    r["level"] = f"{r['level']} {data['args']['form']}()"
-        for key in ("family", "form", "layers", "width", "context"):
-            setattr(args, key, loaded[0]["args"][key])
-        levels = list(dict.fromkeys(r["level"] for r in runs))
-        args.seeds = len({r["seed"] for r in runs})
-        args.steps = runs[0]["curve"][-1][0]
+        levels, runs = hf_accuracy.load(args)
         _report(args, levels, runs)
         return
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
