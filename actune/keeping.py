@@ -18,7 +18,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from actune.autoprec import AutoPrecision, Plan
 from actune.levels import Level
-from actune.quant import PackedMask, _draw_seed, pack_mask, quantize_checked, quantize_samples
+from actune.quant import (
+    PackedCodes,
+    PackedMask,
+    _draw_seed,
+    pack_mask,
+    quantize_checked,
+    quantize_samples,
+)
 from actune.quant_batch import quantize_many
 from actune.rules import op_name
 from actune.saved import Saved, feature_major
@@ -344,6 +351,11 @@ class Keeper:
         for r in replaces:
             self.count(r)
         self.stats.by_kind.setdefault(kind, 0)
+
+    def pack_codes(self, packed: PackedCodes, kind: str, replaces: tuple = ()) -> Saved:
+        """Codes packed already (a codebook's: :meth:`actune.codebooks.Codebook.pack`), kept
+        as they are, outside the allocator's budget."""
+        return self._hold(self._new(packed), kind, replaces)
 
     def pack_bool(self, mask: torch.Tensor, kind: str, replaces: tuple = ()) -> Saved:
         return self._hold(self._new(pack_mask(mask)), kind, replaces)

@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, replace
 
+from actune.codebooks import WIDTHS
 from actune_kernels import layout
 
 __all__ = ["LEVELS", "Level", "get_level", "mixed", "parse_levels", "uniform"]
@@ -20,6 +21,9 @@ __all__ = ["LEVELS", "Level", "get_level", "mixed", "parse_levels", "uniform"]
 #: A layer whose output has this many times its input's features or more keeps its input at
 #: :attr:`Level.narrow_width`.
 WIDENING = 8
+
+#: The widths a derivative's codes may take (:attr:`Level.derivative_codes`).
+DERIVATIVE_CODES = WIDTHS
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ class Level:
     allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed tensor, and each
     sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the gradient is
     sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).
+    ``derivative_codes``: GELU's derivative is kept as the index of its nearest level among
+    ``2 ** derivative_codes`` fixed ones (:mod:`actune.codebooks`: deterministic, outside the
+    allocator's budget) instead of rounded at ``other_bits``; ``None``: rounded.
     """
 
     name: str
@@ -60,6 +67,7 @@ class Level:
     sensitive_bits: int | None = None
     boundary_bits: int | None = None
     avg_bits: float | None = None
+    derivative_codes: int | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -72,6 +80,9 @@ class Level:
                 except ValueError as err:
                     raise ValueError(f"Level {self.name!r}: {field}: {err}") from None
         layout.check_group_size(self.group_size)
+        if self.derivative_codes not in (None, *DERIVATIVE_CODES):
+            raise ValueError(f"Level {self.name!r}: derivative_codes must be one of "
+                             f"{DERIVATIVE_CODES} or None, got {self.derivative_codes!r}")
         if self.avg_bits is not None:
             if not 1 <= self.avg_bits <= 8:
                 raise ValueError(f"Level {self.name!r}: avg_bits must be within [1, 8], got "
@@ -133,9 +144,10 @@ L1 = Level("L1", matmul_bits=4, masks=True,
 L2 = Level("L2", matmul_bits=4, other_bits=4, masks=True, nonlinear_bits=8,
            description="4 bits for every compressed activation, 1-bit masks")
 L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True, nonlinear_bits=8, sensitive_bits=4,
-           avg_bits=2.0,
+           avg_bits=2.0, derivative_codes=2,
            description="2 bits on average, per layer and per sample where the gradient is "
-                       "sensitive (mixed precision), 1-bit masks (the default)")
+                       "sensitive (mixed precision), GELU's derivative as 2-bit codes, 1-bit "
+                       "masks (the default)")
 L4 = L3.with_(name="L4", offload=True,
               description="L3 + packed activations offloaded to pinned host memory (CUDA)")
 L5 = L4.with_(name="L5", defrag=True,
@@ -155,7 +167,7 @@ def uniform(bits: int) -> Level:
     baseline that mixed precision at the same average is measured against."""
     layout.check_bits(bits)
     return L3.with_(name=f"u{bits}", matmul_bits=bits, other_bits=bits, avg_bits=None,
-                    sensitive_bits=None,
+                    sensitive_bits=None, derivative_codes=None,
                     description=f"{bits} bits for every compressed activation, 1-bit masks")
 
 
@@ -166,8 +178,10 @@ def mixed(avg_bits: float) -> Level:
     if not 1 <= avg_bits <= 8:
         raise ValueError(f"average bits must be within [1, 8], got {avg_bits:g}")
     width = max(b for b in layout.SUPPORTED_BITS if b <= avg_bits)
+    # (2-bit codes of a derivative beat rounding at 2 bits, not at 4)
     return L3.with_(name=f"{avg_bits:g}b", matmul_bits=width, other_bits=width,
                     avg_bits=float(avg_bits),
+                    derivative_codes=L3.derivative_codes if width <= 2 else None,
                     description=f"{avg_bits:g} bits on average, allocated where the gradient "
                                 f"is sensitive; 1-bit masks")
 

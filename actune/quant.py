@@ -21,8 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from actune_kernels import layout
 
-__all__ = ["PackedRows", "PackedSamples", "PackedTensor", "dequantize", "dequantize_samples",
-           "group_steps", "quantize", "quantize_samples"]
+__all__ = ["PackedCodes", "PackedRows", "PackedSamples", "PackedTensor", "dequantize",
+           "dequantize_codes", "dequantize_samples", "group_steps", "pack_codes", "quantize",
+           "quantize_samples", "unpack_codes"]
 
 _SEED_RANGE = 2**31 - 1
 _KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -533,6 +534,98 @@ def unpack_mask(p: PackedMask) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=p.bits8.device)
     bits = ((p.bits8.unsqueeze(1) >> shifts) & 1).view(-1)[:n]
     return bits.view(p.shape).bool()
+
+
+@dataclass(frozen=True)
+class PackedCodes:
+    """Small integer codes (each below ``2 ** bits``) stored at ``bits`` per element, exact.
+    With ``levels`` they stand for values (a codebook's: :mod:`actune.codebooks`), code ``k``
+    for ``levels[k]`` in ``dtype``: :func:`dequantize_codes` reads them back so."""
+
+    bytes8: torch.Tensor
+    shape: torch.Size
+    bits: int
+    levels: tuple[float, ...] | None = None
+    dtype: torch.dtype | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes8.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.bytes8.device
+
+
+#: The widths :func:`pack_codes` takes: a byte holds a whole number of codes.
+CODE_BITS = (1, 2, 4, 8)
+
+
+def pack_codes(codes: torch.Tensor, bits: int, levels: tuple[float, ...] | None = None,
+               dtype: torch.dtype | None = None) -> PackedCodes:
+    """Pack unsigned 8-bit ``codes`` (each below ``2 ** bits``) at ``bits`` per element, the
+    first code of each byte in its low bits; ``levels`` and ``dtype``: the values they stand
+    for (see :class:`PackedCodes`). Plain tensor ops: any device, fake tensors too."""
+    if bits not in CODE_BITS:
+        raise ValueError(f"codes are packed at {CODE_BITS} bits, not {bits}")
+    if levels is not None and len(levels) > 2 ** bits:
+        raise ValueError(f"{len(levels)} levels do not fit {bits}-bit codes")
+    flat = codes.detach().reshape(-1)
+    if bits == 8:
+        return PackedCodes(flat.clone(), codes.shape, bits, levels, dtype)
+    per = 8 // bits
+    pad = (-flat.numel()) % per
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    # one strided column per position in the byte (each pass over a byte's worth of codes,
+    # not a shifted copy of every code)
+    columns = flat.view(-1, per)
+    bytes8 = columns[:, 0].clone()
+    for j in range(1, per):
+        bytes8 |= columns[:, j] << (j * bits)
+    return PackedCodes(bytes8, codes.shape, bits, levels, dtype)
+
+
+def unpack_codes(p: PackedCodes) -> torch.Tensor:
+    """The unsigned 8-bit codes ``p`` was packed from."""
+    if p.bits == 8:
+        return p.bytes8.view(p.shape)
+    n = math.prod(p.shape)
+    shifts = torch.arange(0, 8, p.bits, dtype=torch.uint8, device=p.bytes8.device)
+    codes = (p.bytes8.unsqueeze(1) >> shifts) & ((1 << p.bits) - 1)
+    return codes.view(-1)[:n].view(p.shape)
+
+
+def dequantize_codes(p: PackedCodes) -> torch.Tensor:
+    """The values ``p``'s codes stand for (``p.levels`` in ``p.dtype``), read a byte at a
+    time: each byte's values from a table of all 256, one gather, no codes unpacked."""
+    if p.levels is None or p.dtype is None:
+        raise ValueError("these codes stand for no values: packed without levels")
+    table = _byte_table(p.levels, p.bits, p.bytes8, p.dtype)
+    n = math.prod(p.shape)
+    out = table.index_select(0, p.bytes8.int()).view(-1)
+    return (out[:n] if out.numel() > n else out).view(p.shape)
+
+
+def _byte_table(levels: tuple[float, ...], bits: int, like: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 8 // bits]``: each byte's values, its first code in the low bits; made once per
+    device and dtype for real tensors, afresh for fake or traced ones."""
+    if type(like) is not torch.Tensor or compiling():
+        return torch.tensor(_table_values(levels, bits), dtype=dtype, device=like.device)
+    return _real_table(levels, bits, like.device, dtype)
+
+
+@functools.cache
+def _real_table(levels: tuple[float, ...], bits: int, device: torch.device,
+                dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(_table_values(levels, bits), dtype=dtype, device=device)
+
+
+def _table_values(levels: tuple[float, ...], bits: int) -> list[list[float]]:
+    per, mask = 8 // bits, (1 << bits) - 1
+    padded = (*levels, *(levels[-1:] * ((1 << bits) - len(levels))))
+    return [[padded[(byte >> (j * bits)) & mask] for j in range(per)] for byte in range(256)]
 
 
 # (after the names it builds on: it imports them from this module)

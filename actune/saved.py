@@ -17,13 +17,16 @@ from collections.abc import Iterator
 import torch
 
 from actune.quant import (
+    PackedCodes,
     PackedMask,
     PackedRows,
     PackedSamples,
     PackedTensor,
     dequantize,
+    dequantize_codes,
     dequantize_into,
     dequantize_samples,
+    unpack_codes,
     unpack_mask,
 )
 from actune.quant_batch import dequantize_many
@@ -89,8 +92,8 @@ class Saved:
     __slots__ = ("__weakref__", "device", "fetch", "host", "keep", "packed", "prev", "readers",
                  "ready", "slot", "unpacked")
 
-    def __init__(self, packed: PackedTensor | PackedMask | torch.Tensor, offload: bool,
-                 prev: Saved | None = None) -> None:
+    def __init__(self, packed: PackedTensor | PackedMask | PackedCodes | torch.Tensor,
+                 offload: bool, prev: Saved | None = None) -> None:
         self.packed = packed
         self.device = packed.device
         simulate = offload and _SIMULATE_OFFLOAD.get()
@@ -230,6 +233,8 @@ class Saved:
             return packed
         if isinstance(packed, PackedMask):
             out = unpack_mask(packed)
+        elif isinstance(packed, PackedCodes):
+            out = unpack_codes(packed) if packed.levels is None else dequantize_codes(packed)
         elif isinstance(packed, PackedSamples | PackedRows):
             out = dequantize_samples(packed)
         else:
@@ -372,6 +377,8 @@ def _tensors(p) -> tuple[torch.Tensor, ...]:
         return (p,)
     if isinstance(p, PackedMask):
         return (p.bits8,)
+    if isinstance(p, PackedCodes):
+        return (p.bytes8,)
     if isinstance(p, PackedSamples):
         return tuple(t for idx, part in p.parts for t in (idx, *_tensors(part)))
     if isinstance(p, PackedRows):
@@ -398,6 +405,8 @@ def _to_device(p, device: torch.device, pin: bool = False, simulate: bool = Fals
                                                         device=device), meta=None)
     if isinstance(p, PackedMask):
         return PackedMask(move(p.bits8), p.shape)
+    if isinstance(p, PackedCodes):
+        return dataclasses.replace(p, bytes8=move(p.bytes8))
     if isinstance(p, PackedSamples):
         return dataclasses.replace(p, parts=tuple((move(idx), _to_device(part, device, pin,
                                                                           simulate))

@@ -239,6 +239,27 @@ class SavedDerivative(torch.autograd.Function):
         return out, None, None, None, None, None, None
 
 
+class CodedDerivative(torch.autograd.Function):
+    """y = f(x) for elementwise f: saves, for each element, which level of ``codebook``
+    (:class:`actune.codebooks.Codebook`) ``f'(x)`` is nearest to, at the codebook's bits, and
+    returns ``grad`` times that level (Few-Bit Backward): deterministic, the forward exact.
+    The derivative of the input alone is coded before ``y`` exists, as in
+    :class:`SavedDerivative`."""
+
+    @staticmethod
+    def forward(ctx, x, fn, derivative, codebook, session):
+        ctx.d = session.pack_codes(codebook.pack(derivative(x, None)), "derivative",
+                                   replaces=(x,))
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        d = take(ctx, "d").fresh()
+        out = d.mul_(grad) if d.dtype == grad.dtype else grad * d
+        return out, None, None, None, None
+
+
 def value_and_derivative(fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fn(x)`` and its elementwise derivative, in one forward-mode pass with a unit tangent.
 

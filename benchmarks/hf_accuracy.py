@@ -2,7 +2,8 @@
 
 ``pydoc_data.topics`` ships with every Python (about 465 KB of English text about Python): the
 last tenth is held out for validation. A small model of one family (``--family``: ``gpt2``,
-``llama``, ``qwen2``, ``mistral``, and two more GELU families: ``gpt_neox``, ``phi``; random
+``llama``, ``qwen2``, ``mistral``, and three more GELU families: ``gpt_neox``, ``phi``, and
+``bert`` as a masked LM (:class:`MaskedLM`: the loss of 15% of the bytes, masked); random
 init from a config, vocabulary of 256 bytes) is trained at each level, with
 ``actune.compress(model, level)``, or (``--form compressed``) with the forward and
 loss inside ``with actune.compressed(level)`` (no allocator, the README's first form; with one:
@@ -97,6 +98,40 @@ def _gelu_family(config_class, model_class, dropouts):
     return build
 
 
+class MaskedLM(torch.nn.Module):
+    """A masked language model trained as the causal ones are (``model(input_ids=ids,
+    labels=ids).loss``): 15% of the bytes, drawn from the model's own generator in training
+    and from a hash of the bytes and their positions in evaluation (the same at every
+    validation), are replaced by a mask token (256), and the loss is the cross entropy of
+    those bytes alone. The masks do not depend on the level: the rounding draws from the
+    global generator, the masks from their own."""
+
+    MASK = 256
+
+    def __init__(self, model: torch.nn.Module, seed: int) -> None:
+        super().__init__()
+        self.model = model
+        self.gen = torch.Generator().manual_seed(seed + 2000)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        if self.training:
+            chosen = torch.rand(input_ids.shape, generator=self.gen) < 0.15
+        else:
+            pos = torch.arange(input_ids.shape[-1])
+            chosen = (input_ids * 2654435761 + pos * 40503 + 7) % 1000 < 150
+        masked = input_ids.masked_fill(chosen, self.MASK)
+        return self.model(input_ids=masked, labels=labels.masked_fill(~chosen, -100))
+
+
+def _bert(layers: int, width: int, context: int, dropout: float):
+    """BERT as a masked LM (exact GELU, post-norm, learned positions, a 4x MLP)."""
+    return MaskedLM(transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=257, hidden_size=width, num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 32), intermediate_size=4 * width,
+        max_position_embeddings=context, hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout, pad_token_id=0)), torch.initial_seed())
+
+
 #: --family: how to build each family's model (layers, width, context, dropout).
 FAMILIES = {
     "gpt2": _gpt2,
@@ -107,6 +142,7 @@ FAMILIES = {
                              ("hidden_dropout", "attention_dropout")),
     "phi": _gelu_family("PhiConfig", "PhiForCausalLM",
                         ("resid_pdrop", "embd_pdrop", "attention_dropout")),
+    "bert": _bert,
 }
 
 

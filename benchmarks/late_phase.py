@@ -16,6 +16,8 @@ A variant is a level, optionally with changes joined by ``+``:
 - ``x-RULE``: the rule for ``RULE`` removed (``gelu``, ``sdpa``, ``loss``, ``norm``): what that op
   saves stays exact;
 - ``noap``: the allocator's bits per sample off;
+- ``codes2`` (``codes4``): GELU's derivative kept as the index of its nearest level among 4
+  (16) fixed ones (``Level.derivative_codes``) instead of rounded;
 - ``dcost100`` (any factor): the allocator's estimated cost of every packed derivative (its
   slots with a 2-bit floor that keep no exact zeros) multiplied by that factor before it
   allocates: what ranking derivatives higher within the same budget buys.
@@ -56,8 +58,12 @@ def variant(model, name: str):
     saved = dict(rules.RULES)
     try:
         if level != "L0":
-            actune.compress(model, level, per_sample="noap" not in changes)
+            codes = [int(c[5:]) for c in changes if c.startswith("codes")]
+            actune.compress(model, actune.get_level(level).with_(derivative_codes=codes[0])
+                            if codes else level, per_sample="noap" not in changes)
         for change in changes:
+            if change.startswith("codes"):
+                continue
             if change.startswith("x-"):
                 names = set(REMOVABLE[change[2:]])
                 for func in [f for f in rules.RULES if getattr(f, "__name__", None) in names]:

@@ -137,9 +137,12 @@ def shrinks_like_noise(samples: torch.Tensor, exact: torch.Tensor, small=16, lar
 @pytest.mark.parametrize("case", [cnn_case, block_case])
 @pytest.mark.parametrize("level", ["L2", "L3"])
 def test_quantized_gradients_are_unbiased_per_layer(case, level):
+    # what is rounded; GELU's derivative codes at L3 are deterministic by design, an error of
+    # their own (tests/test_codebooks.py), so the level's rounding is checked without them
+    lv = actune.get_level(level).with_(derivative_codes=None)
     model, inputs, loss_fn = case()
     exact = grads(model, inputs, "L0", loss_fn=loss_fn)
-    runs = [grads(model, inputs, level, seed=s, loss_fn=loss_fn) for s in range(256)]
+    runs = [grads(model, inputs, lv, seed=s, loss_fn=loss_fn) for s in range(256)]
     scale = sum(g.norm() ** 2 for g in exact.values()).sqrt()
     checked = 0
     for name, g in exact.items():

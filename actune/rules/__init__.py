@@ -21,7 +21,9 @@ the derivative rule of :mod:`actune.rules.pointwise`, found from PyTorch's op ta
   docs and in :func:`describe`).
 * ``features_last``: what the op saves holds features in its last dim (a linear layer's
   input, a layer norm's): packed one feature at a time, its groups running along the tokens
-  (see :func:`actune.quant_columns.feature_order`).
+  (see :func:`actune.quant_columns.feature_order`); or a function of the call's arguments
+  that says whether they do (a batch norm's ``[batch, features]`` input does, an image's
+  ``[N, C, H, W]`` does not).
 
 An op with no rule keeps what it saves exact; :class:`actune.CompressionStats` names it, with
 its bytes, so a user sees where the memory is.
@@ -51,8 +53,9 @@ class Rule:
     #: nonlinearly by backward, stay exact; its weight and buffers stay references)
     only_input_shape: bool = False
     #: the saved tensors' last dim holds features: group along the other dims (one feature's
-    #: values share a group's range, as a convolution's NCHW input does by its layout)
-    features_last: bool = False
+    #: values share a group's range, as a convolution's NCHW input does by its layout); or a
+    #: function of the call's arguments saying whether it does
+    features_last: bool | Callable[[tuple], bool] = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -66,7 +69,8 @@ RULES: dict[Callable, Rule] = {}
 
 
 def register(funcs: Iterable[Callable], family: str, bits: str | None = None, keeps: str = "",
-             only_input_shape: bool = False, features_last: bool = False):
+             only_input_shape: bool = False,
+             features_last: bool | Callable[[tuple], bool] = False):
     """Register a rule for every function in ``funcs``; use as a decorator on the rule's
     ``replace(session, func, args, kwargs, level)`` or call it with the result ignored (a rule
     without a replacement: ``register(...)(None)``)."""

@@ -12,12 +12,16 @@ backward ``g - p * sum(g)`` is linear in the probabilities ``p``: one rounded co
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from actune.codebooks import gelu_codebook
 from actune.rules import register
 from actune.saved import row_statistic
 from actune.substitutes import (
+    CodedDerivative,
     DerivativeGLU,
     PackedLogSoftmax,
     SavedDerivative,
@@ -39,14 +43,19 @@ def compressible(x, level) -> bool:
 _DERIVATIVE = "derivative rounded at other bits (used linearly)"
 
 
-@register((F.gelu,), "activation", None, _DERIVATIVE)
+@register((F.gelu,), "activation", None, _DERIVATIVE + "; or the index of its nearest level "
+          "on a fixed codebook (the level's derivative_codes, deterministic)")
 def gelu(s, func, args, kwargs, level):
     x = args[0]
     if not compressible(x, level):
         return None
     approximate = arg(args, kwargs, 1, "approximate", "none")
-    return SavedDerivative.apply(x, lambda t: F.gelu(t, approximate=approximate),
-                                 gelu_derivative(approximate), level.other_bits, s, True)
+    fn = functools.partial(F.gelu, approximate=approximate)
+    if level.derivative_codes is not None:
+        return CodedDerivative.apply(x, fn, gelu_derivative(approximate),
+                                     gelu_codebook(approximate, level.derivative_codes), s)
+    return SavedDerivative.apply(x, fn, gelu_derivative(approximate), level.other_bits, s, True)
+
 
 
 @register((F.silu,), "activation", None, _DERIVATIVE)

@@ -142,8 +142,16 @@ def _rms_backward(grad, x_hat, rstd, weight, ndims: int, weight_grad: bool):
 register((F.group_norm, F.instance_norm), "norm", "other", _KEEPS, only_input_shape=True)(None)
 
 
-@register((F.batch_norm,), "norm", "other", _KEEPS + "; large ones backward in place",
-          only_input_shape=True)
+def _features_last(args: tuple) -> bool:
+    """Is a batch norm's input ``[batch, features]`` (BatchNorm1d after a linear layer, as
+    LeViT's and a classifier head's): normalised per feature over the batch, so each group
+    holds one feature's values, not a row of features with different offsets."""
+    return isinstance(args[0], torch.Tensor) and args[0].dim() == 2
+
+
+@register((F.batch_norm,), "norm", "other", _KEEPS + " (a [batch, features] input by "
+          "feature); large ones backward in place", only_input_shape=True,
+          features_last=_features_last)
 def lean_batch_norm(s, func, args, kwargs, level):
     """A large training-mode batch norm runs :class:`LeanBatchNorm`."""
     if level.other_bits is None:

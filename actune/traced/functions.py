@@ -9,7 +9,8 @@ partitioner saves the packed bytes. What each keeps mirrors the eager rules
   tokens, one feature each; the weight stays a reference;
 * both operands of a product of two activations (``q @ k^T``, ``attn @ v``) at matmul bits;
 * an activation's derivative (GELU, SiLU, Hardswish, Mish, ELU, SELU, softplus, logsigmoid,
-  softsign, tanhshrink) at other bits, used linearly;
+  softsign, tanhshrink) at other bits, used linearly; GELU's, at a level with
+  ``derivative_codes``, as the index of its nearest level on a fixed codebook;
 * a piecewise-linear activation's two slopes (ReLU6, hardtanh, hardsigmoid, leaky ReLU): one
   bit per element;
 * a norm's normalised input at other bits, its ``rstd`` exact;
@@ -26,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from actune.quant import PackedCodes, pack_codes, unpack_codes
 from actune.traced.convolutions import pack_bits, unpack_bits
 from actune.traced.pack import (
     in_memory_order,
@@ -36,7 +38,8 @@ from actune.traced.pack import (
     unpack_range,
 )
 
-__all__ = ["DERIVATIVES", "TWO_SLOPES", "BroadcastProduct", "GatedProduct", "PackedDerivative",
+__all__ = ["DERIVATIVES", "TWO_SLOPES", "BroadcastProduct", "DerivativeCodes", "GatedProduct",
+           "PackedDerivative",
            "PackedLinear", "PackedNorm", "PackedProduct", "TwoCopySoftmax", "TwoSlopes",
            "carry_copy", "shared_copy", "softmax_sharing_copy"]
 
@@ -221,6 +224,31 @@ class PackedDerivative(torch.autograd.Function):
         shape, bits, low, high = ctx.meta
         d = unpack_range(ctx.saved_tensors[0], bits, low, high, shape, grad.dtype)
         return grad * d, None, None, None
+
+
+class DerivativeCodes(torch.autograd.Function):
+    """``f(x)`` for an elementwise ``f`` of :data:`DERIVATIVES`, keeping the index of the level
+    of ``codebook`` (:class:`actune.codebooks.Codebook`) nearest to ``f'(x)``. Codes and levels
+    are sums of comparisons, not a search and a gather: pointwise ops a compiler fuses with the
+    derivative and the packing, with no index tensor in between."""
+
+    @staticmethod
+    def forward(ctx, x, name: str, codebook):
+        fn, derivative, _low, _high = DERIVATIVES[name]
+        d = derivative(x.float())
+        codes = sum((d > cut).to(torch.uint8) for cut in codebook.cuts)
+        ctx.meta = (x.shape, codebook)
+        ctx.save_for_backward(pack_codes(codes, codebook.bits).bytes8)  # (no levels: below)
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, codebook = ctx.meta
+        codes = unpack_codes(PackedCodes(ctx.saved_tensors[0], shape, codebook.bits))
+        levels = codebook.levels
+        d = levels[0] + sum((codes > k).to(grad.dtype) * (levels[k + 1] - levels[k])
+                            for k in range(len(levels) - 1))
+        return grad * d, None, None
 
 
 #: name -> (function of (x, a, b), where its slope is ``high`` (else ``low``), high, low); ``a``

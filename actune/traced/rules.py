@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
+from actune.codebooks import gelu_codebook
 from actune.levels import Level
 from actune.multihead import decompose
 from actune.substitutes import arg
@@ -21,6 +22,7 @@ from actune.traced.attention import PackedAttention, PackedCrossEntropy, Redrawn
 from actune.traced.convolutions import MaskedReLU, PackedBatchNorm, PackedConv
 from actune.traced.functions import (
     BroadcastProduct,
+    DerivativeCodes,
     GatedProduct,
     PackedDerivative,
     PackedLinear,
@@ -110,8 +112,14 @@ def _derivative(name: str) -> Handler:
         x = args[0]
         if level.other_bits is None or not _activation(x, level):
             return None
-        if name == "gelu" and arg(args, kwargs, 1, "approximate", "none") == "tanh":
-            return PackedDerivative.apply(x, "gelu_tanh", level.other_bits, level.group_size)
+        if name == "gelu":
+            approximate = arg(args, kwargs, 1, "approximate", "none")
+            if level.derivative_codes is not None:
+                return DerivativeCodes.apply(x, "gelu_tanh" if approximate == "tanh" else name,
+                                             gelu_codebook(approximate, level.derivative_codes))
+            if approximate == "tanh":
+                return PackedDerivative.apply(x, "gelu_tanh", level.other_bits,
+                                              level.group_size)
         if name == "silu" and arg(args, kwargs, 1, "inplace", False):
             return None
         return PackedDerivative.apply(x, name, level.other_bits, level.group_size)

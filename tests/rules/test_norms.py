@@ -99,3 +99,23 @@ def test_layer_norm_and_linear_in_bfloat16_close_at_8_bits():
     for e, g in zip(exact, eight, strict=True):
         assert g.dtype == torch.bfloat16
         assert relative_error(g[0].float(), e[0].float()) < 0.08
+
+
+def test_a_batch_norm_of_features_groups_each_features_values():
+    """BatchNorm1d on ``[batch, features]`` (after a linear layer) normalises each feature over
+    the batch: its input is packed one feature per group, so a feature's small spread is not
+    rounded on the grid of its neighbours' offsets (20x its spread here). Grouped by rows, the
+    same input's gradients at 4 bits were off by 105% (input) and 284% (weight)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(256, 64, generator=gen) * 0.5
+         + torch.randn(64, generator=gen) * 20).requires_grad_()
+    w = torch.rand(64, generator=gen).add(0.5).requires_grad_()
+    b = torch.zeros(64).requires_grad_()
+
+    def fn(x, w, b):
+        return F.batch_norm(x * 1, None, None, w, b, training=True)
+
+    exact = exact_grads(fn, (x, w, b))
+    draws = input_grads(fn, (x, w, b), level(4), 4)
+    assert relative_error(draws[0].mean(0), exact[0]) < 0.03
+    assert relative_error(draws[1].mean(0), exact[1]) < 0.2
