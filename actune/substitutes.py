@@ -361,7 +361,8 @@ def _channels(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class TwoCopySoftmax(torch.autograd.Function):
     """Softmax saving two independently rounded copies of its output: the backward
-    ``y1 * (g - sum(g * y2))`` is then unbiased although it is quadratic in y."""
+    ``y1 * (g - sum(g * y2))`` is then unbiased although it is quadratic in y. It is computed
+    with ``g`` centred on its mean (:func:`softmax_backward`)."""
 
     @staticmethod
     def forward(ctx, x, dim, dtype, bits, session):
@@ -376,10 +377,23 @@ class TwoCopySoftmax(torch.autograd.Function):
     def backward(ctx, grad):
         check_double_backward()
         y1, y2 = take(ctx, "y1"), take(ctx, "y2").get()
-        inner = (grad * y2).sum(ctx.dim, keepdim=True)
+        shift = softmax_shift(grad, y2, ctx.dim)
         del y2
-        out = y1.get() * (grad - inner)
+        out = y1.get() * (grad - shift)
         return out.to(ctx.in_dtype), None, None, None, None
+
+
+def softmax_shift(grad: torch.Tensor, y2: torch.Tensor, dim: int) -> torch.Tensor:
+    """What softmax's backward ``y1 * (grad - shift)`` subtracts: ``sum(grad * y2)`` for exact
+    probabilities, here for ``grad`` centred on its mean ``m`` first: ``m + sum((grad - m) *
+    y2)``. The two agree where ``y2`` sums to 1 (the output is invariant to a constant added
+    to ``grad``); a rounded ``y2`` does not, and the plain form turns the gradient's common
+    part ``m`` times its rounding error ``sum(y2) - 1`` into noise on every element: large
+    where the gradient's rows are nearly constant (values that look alike, few keys), and
+    where the true result is a small difference. Unbiased either way (``y2`` unbiased,
+    ``m`` exact); one more reduction, no tensor of the input's size."""
+    mean = grad.mean(dim, keepdim=True)
+    return mean + (grad * y2).sum(dim, keepdim=True) - mean * y2.sum(dim, keepdim=True)
 
 
 class PackedLogSoftmax(torch.autograd.Function):

@@ -132,20 +132,24 @@ class PackedBatchNorm(torch.autograd.Function):
             y = y * weight.float().reshape(view)
         if bias is not None:
             y = y + bias.float().reshape(view)
-        order = memory_order(x)
-        ctx.meta = (x.shape, x.dtype, bits, group_size, weight is not None, order)
+        # a [batch, features] input (after a linear layer) by feature, as eager packs it
+        by_feature = x.dim() == 2 and x.is_contiguous()
+        order = None if by_feature else memory_order(x)
+        ctx.meta = (x.shape, x.dtype, bits, group_size, weight is not None, order, by_feature)
         ctx.eps = eps
         ctx.save_for_backward(mean, rstd, *(() if weight is None else (weight,)),
-                              *pack(in_memory_order(x, order), bits, group_size))
+                              *(pack(x, bits, group_size, True) if by_feature else
+                                pack(in_memory_order(x, order), bits, group_size)))
         ctx.mark_non_differentiable(mean, var)
         return y.to(x.dtype), mean, var
 
     @staticmethod
     def backward(ctx, grad, _gmean, _gvar):
-        shape, dtype, bits, group_size, has_weight, order = ctx.meta
+        shape, dtype, bits, group_size, has_weight, order, by_feature = ctx.meta
         mean, rstd, *rest = ctx.saved_tensors
         weight = rest.pop(0) if has_weight else None
-        x = unpack(tuple(rest), bits, shape, torch.float32, group_size, order=order)
+        x = (unpack(tuple(rest), bits, shape, torch.float32, group_size, True) if by_feature
+             else unpack(tuple(rest), bits, shape, torch.float32, group_size, order=order))
         # PyTorch's own backward on the unpacked input (linear in it: unbiased), which
         # Inductor decomposes as it does an uncompressed batch norm's
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(

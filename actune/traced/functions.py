@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from actune.quant import PackedCodes, pack_codes, unpack_codes
+from actune.substitutes import softmax_shift
 from actune.traced.convolutions import pack_bits, unpack_bits
 from actune.traced.pack import (
     in_memory_order,
@@ -347,7 +348,7 @@ class TwoCopySoftmax(torch.autograd.Function):
         s = ctx.saved_tensors
         y1 = unpack(s[:3], bits, shape, grad.dtype, group_size)
         y2 = unpack(s[3:], bits, shape, grad.dtype, group_size)
-        return y1 * (grad - (grad * y2).sum(dim, keepdim=True)), None, None, None
+        return y1 * (grad - softmax_shift(grad, y2, dim)), None, None, None
 
 
 #: the attribute by which a traced softmax's output carries its first packed copy

@@ -77,3 +77,25 @@ def test_ops_that_save_nothing_get_no_rule():
         assert rule_for(func) is None, func
     for func in (torch.atan, torch.Tensor.atan, torch.special.erfcx, torch.lgamma):
         assert rule_for(func) is not None, func
+
+
+def test_softmax_backward_centres_the_gradient_before_the_rounded_sum():
+    """Attention whose values look alike: the gradient reaching the probabilities has a large
+    common part per row, which softmax's backward cancels exactly only where the probabilities
+    sum to 1. Centred first, the rounded copies' sums leave that part out: the input
+    gradient's error at 4 bits, 0.77 of its norm with the plain form, stays under 0.45 (0.28
+    measured), and the mean over draws still approaches exact (unbiased)."""
+    from tests.rules.helpers import exact_grads, input_grads, level, relative_error
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=gen).requires_grad_()
+    v = 3 + 0.3 * torch.randn(16, 32, generator=gen)
+
+    def fn(t):
+        return torch.softmax(t * 1.0, -1) @ v
+
+    (exact,) = exact_grads(fn, (x,))
+    (draws,) = input_grads(fn, (x,), level(4), 64)
+    errors = [relative_error(d, exact) for d in draws[:8]]
+    assert sum(errors) / len(errors) < 0.45
+    assert relative_error(draws.mean(0), exact) < 0.5 * errors[0]

@@ -414,3 +414,20 @@ def test_a_frozen_weight_keeps_the_op(call):
         trained = calls[call]()
     assert not type(frozen.grad_fn).__name__.startswith("Packed")
     assert type(trained.grad_fn).__name__.startswith("Packed")
+
+
+def test_a_batch_norm_of_features_is_packed_by_feature():
+    """A ``[batch, features]`` batch norm input with offsets 40x its spread: packed one feature
+    a group, as eager packs it, its input gradient at 4 bits stays close to exact (grouped by
+    rows, its neighbours' offsets would set every group's grid)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(256, 64, generator=gen) * 0.5
+         + torch.randn(64, generator=gen) * 20).requires_grad_()
+    w = torch.rand(64, generator=gen).add(0.5).requires_grad_()
+
+    def fn(x, w):
+        return F.batch_norm(x, None, None, w, None, training=True)
+
+    exact = _exact(fn, (x, w))
+    draws = _grads(fn, (x, w), _level(4), 4)
+    assert ((draws[0].mean(0) - exact[0]).norm() / exact[0].norm()).item() < 0.03
