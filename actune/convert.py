@@ -242,8 +242,9 @@ def compress(model: nn.Module, level: str | Level | None = None, *, every: int =
              per_sample: bool = True, inplace: bool = True) -> nn.Module:
     """Convert ``model``'s supported layers in place to compressed counterparts; returns it.
 
-    ``level`` None: :func:`actune.default_level` of the model (L3; L2 for a family whose
-    accuracy at L3 was measured short of the targets, such as GPT-2).
+    ``level`` None: :func:`actune.default_level` of the model (L3; L2 for a model with GELU
+    activations, whose kind was measured short of the targets at L3; L3 again for a model
+    fine-tuned through adapters).
     Works before or after ``.to(device)``; converting again just sets the new level;
     :func:`decompress` restores plain layers. The model's whole forward runs under
     :func:`actune.compressed` at that level, so functional calls between the layers (attention,

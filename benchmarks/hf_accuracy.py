@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 import actune
+from actune.convert import _LEVEL_ATTR
 
 try:
     import transformers
@@ -168,6 +169,12 @@ def train(level: str, seed: int, args, train_data, val_data) -> dict:
     scope = contextlib.nullcontext
     if args.form == "compress":
         actune.compress(model, level)
+        for part in filter(None, (args.module_bits or "").split(",")):
+            # an ablation: these modules' saved tensors at uniform bits, outside the allocator
+            suffix, bits = part.split("=")
+            for path, module in model.named_modules():
+                if path.endswith(suffix) and hasattr(module, _LEVEL_ATTR):
+                    setattr(module, _LEVEL_ATTR, actune.get_level(f"u{bits}"))
     elif args.form == "compressed":  # the README's first form: no allocator
         def scope():
             return actune.compressed(level)
@@ -237,6 +244,10 @@ def main() -> None:
                         help="clip the gradient's norm to this (0: no clipping; 1.0 is "
                              "Hugging Face Trainer's default)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--module-bits", default=None,
+                        help="an ablation with --form compress: SUFFIX=BITS,... packs what the "
+                             "modules whose names end so save at uniform BITS (e.g. "
+                             "'dense=4,fc2=4')")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="GPT-2's dropouts (its default is 0.1: another noise source "
                              "that differs between runs)")

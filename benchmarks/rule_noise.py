@@ -39,7 +39,10 @@ ABLATIONS = {
 }
 GROUPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
           "input_layernorm", "post_attention_layernorm", "c_attn", "c_proj", "c_fc", "ln_1",
-          "ln_2", "embed_tokens", "wte", "wpe", "norm", "ln_f", "lm_head")
+          "ln_2", "embed_tokens", "wte", "wpe", "norm", "ln_f", "lm_head",
+          # GPT-NeoX's and Phi's
+          "query_key_value", "dense_h_to_4h", "dense_4h_to_h", "dense", "fc1", "fc2",
+          "final_layernorm", "final_layer_norm", "embed_in", "embed_out")
 
 
 def group_of(name: str) -> str:
