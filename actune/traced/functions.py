@@ -27,22 +27,22 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.quant import PackedCodes, pack_codes, unpack_codes
 from actune.substitutes import softmax_shift
 from actune.traced.convolutions import pack_bits, unpack_bits
 from actune.traced.pack import (
     in_memory_order,
+    join_codes,
     memory_order,
     pack,
     pack_range,
+    split_codes,
     unpack,
     unpack_range,
 )
 
 __all__ = ["DERIVATIVES", "TWO_SLOPES", "BroadcastProduct", "DerivativeCodes", "GatedProduct",
-           "PackedDerivative",
-           "PackedLinear", "PackedNorm", "PackedProduct", "TwoCopySoftmax", "TwoSlopes",
-           "carry_copy", "shared_copy", "softmax_sharing_copy"]
+           "PackedDerivative", "PackedLinear", "PackedNorm", "PackedProduct", "TwoCopySoftmax",
+           "TwoSlopes", "carry_copy", "shared_copy", "softmax_sharing_copy"]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -234,22 +234,28 @@ class DerivativeCodes(torch.autograd.Function):
     derivative and the packing, with no index tensor in between."""
 
     @staticmethod
-    def forward(ctx, x, name: str, codebook):
+    def forward(ctx, x, name: str, codebook, group_size: int):
         fn, derivative, _low, _high = DERIVATIVES[name]
-        d = derivative(x.float())
+        d = derivative(x.float()).reshape(-1)
         codes = sum((d > cut).to(torch.uint8) for cut in codebook.cuts)
+        # in whole groups, joined as pack() joins its codes: the statistics tell a compiled
+        # graph's saved tensors apart by that shape (traced.packed_origin)
+        pad = (-codes.numel()) % group_size
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad)])
         ctx.meta = (x.shape, codebook)
-        ctx.save_for_backward(pack_codes(codes, codebook.bits).bytes8)  # (no levels: below)
+        ctx.save_for_backward(join_codes(codes.view(-1, group_size), codebook.bits))
         return fn(x)
 
     @staticmethod
     def backward(ctx, grad):
         shape, codebook = ctx.meta
-        codes = unpack_codes(PackedCodes(ctx.saved_tensors[0], shape, codebook.bits))
+        codes = split_codes(ctx.saved_tensors[0], codebook.bits).reshape(-1)
+        codes = codes[:math.prod(shape)].view(shape)
         levels = codebook.levels
         d = levels[0] + sum((codes > k).to(grad.dtype) * (levels[k + 1] - levels[k])
                             for k in range(len(levels) - 1))
-        return grad * d, None, None
+        return grad * d, None, None, None
 
 
 #: name -> (function of (x, a, b), where its slope is ``high`` (else ``low``), high, low); ``a``

@@ -116,7 +116,8 @@ def _derivative(name: str) -> Handler:
             approximate = arg(args, kwargs, 1, "approximate", "none")
             if level.derivative_codes is not None:
                 return DerivativeCodes.apply(x, "gelu_tanh" if approximate == "tanh" else name,
-                                             gelu_codebook(approximate, level.derivative_codes))
+                                             gelu_codebook(approximate, level.derivative_codes),
+                                             level.group_size)
             if approximate == "tanh":
                 return PackedDerivative.apply(x, "gelu_tanh", level.other_bits,
                                               level.group_size)
