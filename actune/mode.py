@@ -210,11 +210,13 @@ def _label(s, func, rule, args, kwargs) -> tuple:
     s.kind, s.only_shape, s.references, s.op = (
         rule.bits if rule is not None else None, only, refs, func)
     # features last: a norm's input, or a matmul's activation times a weight (not two
-    # activations, as attention's scores and probabilities are)
+    # activations, as attention's scores and probabilities are); or as the rule's test of
+    # the call says (a batch norm's [batch, features] input)
     s.features = rule is not None and (
-        rule.features_last(args) if callable(rule.features_last) else rule.features_last and (
+        (rule.features_last and (
             rule.family != "matmul"
             or any(isinstance(a, torch.Tensor) and parameter_like(a) for a in args)))
+        or (rule.features_last_if is not None and rule.features_last_if(args)))
     if (s.features and rule.family == "matmul" and s.level is not None
             and _widens(s.level, func, args, kwargs)):
         s.kind = NARROW

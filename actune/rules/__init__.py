@@ -21,9 +21,9 @@ the derivative rule of :mod:`actune.rules.pointwise`, found from PyTorch's op ta
   docs and in :func:`describe`).
 * ``features_last``: what the op saves holds features in its last dim (a linear layer's
   input, a layer norm's): packed one feature at a time, its groups running along the tokens
-  (see :func:`actune.quant_columns.feature_order`); or a function of the call's arguments
-  that says whether they do (a batch norm's ``[batch, features]`` input does, an image's
-  ``[N, C, H, W]`` does not).
+  (see :func:`actune.quant_columns.feature_order`); ``features_last_if``: a test of the
+  call's arguments that says whether they do (a batch norm's ``[batch, features]`` input
+  does, an image's ``[N, C, H, W]`` does not).
 
 An op with no rule keeps what it saves exact; :class:`actune.CompressionStats` names it, with
 its bytes, so a user sees where the memory is.
@@ -53,9 +53,10 @@ class Rule:
     #: nonlinearly by backward, stay exact; its weight and buffers stay references)
     only_input_shape: bool = False
     #: the saved tensors' last dim holds features: group along the other dims (one feature's
-    #: values share a group's range, as a convolution's NCHW input does by its layout); or a
-    #: function of the call's arguments saying whether it does
-    features_last: bool | Callable[[tuple], bool] = False
+    #: values share a group's range, as a convolution's NCHW input does by its layout)
+    features_last: bool = False
+    #: or a test of the call's arguments saying whether it does (None: ``features_last``)
+    features_last_if: Callable[[tuple], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -69,15 +70,16 @@ RULES: dict[Callable, Rule] = {}
 
 
 def register(funcs: Iterable[Callable], family: str, bits: str | None = None, keeps: str = "",
-             only_input_shape: bool = False,
-             features_last: bool | Callable[[tuple], bool] = False):
+             only_input_shape: bool = False, features_last: bool = False,
+             features_last_if: Callable[[tuple], bool] | None = None):
     """Register a rule for every function in ``funcs``; use as a decorator on the rule's
     ``replace(session, func, args, kwargs, level)`` or call it with the result ignored (a rule
     without a replacement: ``register(...)(None)``)."""
     funcs = tuple(dict.fromkeys(funcs))  # (some spellings are one object: F.relu_)
 
     def decorate(replace: Callable | None) -> Callable | None:
-        rule = Rule(family, bits, replace, keeps, only_input_shape, features_last)
+        rule = Rule(family, bits, replace, keeps, only_input_shape, features_last,
+                    features_last_if)
         for func in funcs:
             if func in RULES:
                 raise ValueError(f"{_name(func)} already has a rule ({RULES[func].family})")

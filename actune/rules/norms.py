@@ -151,7 +151,7 @@ def _features_last(args: tuple) -> bool:
 
 @register((F.batch_norm,), "norm", "other", _KEEPS + " (a [batch, features] input by "
           "feature); large ones backward in place", only_input_shape=True,
-          features_last=_features_last)
+          features_last_if=_features_last)
 def lean_batch_norm(s, func, args, kwargs, level):
     """A large training-mode batch norm runs :class:`LeanBatchNorm`."""
     if level.other_bits is None:
