@@ -22,9 +22,6 @@ __all__ = ["LEVELS", "Level", "get_level", "mixed", "parse_levels", "uniform"]
 #: :attr:`Level.narrow_width`.
 WIDENING = 8
 
-#: The widths a derivative's codes may take (:attr:`Level.derivative_codes`).
-DERIVATIVE_CODES = WIDTHS
-
 
 @dataclass(frozen=True)
 class Level:
@@ -80,9 +77,9 @@ class Level:
                 except ValueError as err:
                     raise ValueError(f"Level {self.name!r}: {field}: {err}") from None
         layout.check_group_size(self.group_size)
-        if self.derivative_codes not in (None, *DERIVATIVE_CODES):
+        if self.derivative_codes not in (None, *WIDTHS):
             raise ValueError(f"Level {self.name!r}: derivative_codes must be one of "
-                             f"{DERIVATIVE_CODES} or None, got {self.derivative_codes!r}")
+                             f"{WIDTHS} or None, got {self.derivative_codes!r}")
         if self.avg_bits is not None:
             if not 1 <= self.avg_bits <= 8:
                 raise ValueError(f"Level {self.name!r}: avg_bits must be within [1, 8], got "

@@ -362,7 +362,7 @@ def _channels(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class TwoCopySoftmax(torch.autograd.Function):
     """Softmax saving two independently rounded copies of its output: the backward
     ``y1 * (g - sum(g * y2))`` is then unbiased although it is quadratic in y. It is computed
-    with ``g`` centred on its mean (:func:`softmax_backward`)."""
+    with ``g`` centred on its mean (:func:`softmax_shift`)."""
 
     @staticmethod
     def forward(ctx, x, dim, dtype, bits, session):

@@ -57,7 +57,6 @@ def gelu(s, func, args, kwargs, level):
     return SavedDerivative.apply(x, fn, gelu_derivative(approximate), level.other_bits, s, True)
 
 
-
 @register((F.silu,), "activation", None, _DERIVATIVE)
 def silu(s, func, args, kwargs, level):
     x = args[0]
