@@ -241,11 +241,13 @@ class _Session(Keeper):
     # -- tensors rebuilt from another's packed value ---------------------------------------
 
     def derive(self, t: torch.Tensor, base: Saved, weight: torch.Tensor | None,
-               bias: torch.Tensor | None, factor: Saved | None = None) -> None:
+               bias: torch.Tensor | None, factor: Saved | None = None,
+               function: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Later savers of ``t`` (or of a view of all of it) keep nothing of their own: they
         rebuild it as ``base * weight + bias`` from ``base``, packed already (a layer norm's
         output from its normalised input, whose rounding then serves both backwards), or as
-        ``base * factor`` (a gated product's output from its two packed operands)."""
+        ``base * factor`` (a gated product's output from its two packed operands), or as
+        ``function(base)`` (GELU's output from its input, packed at a wider width)."""
         if t.is_contiguous():  # (held weakly, as the cache's values are: see _remember)
             for saved in (base, factor):  # (its maker's backward reads it: one reader)
                 if saved is not None:
@@ -255,7 +257,7 @@ class _Session(Keeper):
             self.derived[key] = [StorageWeakRef(t.untyped_storage()), t._version,
                                  weakref.ref(base, drop), weight, bias,
                                  None if factor is None else weakref.ref(factor, drop),
-                                 _NO_REF]
+                                 _NO_REF, function]
 
     def _derived(self, t: torch.Tensor, bits: int, new: bool) -> Derived | None:
         """``t`` as a :class:`Derived` if it is a tensor :meth:`derive` named, unchanged since,
@@ -275,11 +277,12 @@ class _Session(Keeper):
                 and shared.factor is factor):
             derived = shared
         else:
-            derived = Derived(base, weight, bias, t.shape, factor)  # (as this saver views it)
+            derived = Derived(base, weight, bias, t.shape, factor,  # (as this saver views it)
+                              entry[7])
         ap = self.allocator()
-        if base.slot is None and ((ap is not None and factor is None)
+        if base.slot is None and ((ap is not None and factor is None and entry[7] is None)
                                   or (derived.bits or 0) < bits):
-            return None  # (a product's operands keep fixed bits, under an allocator too)
+            return None  # (fixed-width bases: a product's operands, a function's input)
         entry[6] = weakref.ref(derived)
         derived.add_reader()
         if base.slot is not None and ap is not None:

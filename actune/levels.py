@@ -47,7 +47,13 @@ class Level:
     allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed tensor, and each
     sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the gradient is
     sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).
-    ``derivative_codes``: GELU's derivative is kept as the index of its nearest level among
+    ``gelu_input_bits``: GELU keeps its input rounded at these bits, outside the allocator's
+    budget; its backward computes the derivative from that copy, and the matmul that reads its
+    output rebuilds the output from it instead of keeping a copy of its own (one 4-bit copy
+    for two tensors: the bytes of a 2-bit derivative and a 2-bit output, with several times
+    less noise in both). ``None``: the derivative is kept (below). ``derivative_codes``: where
+    GELU's input is not kept, and in compiled graphs (which cannot hand the copy to a view of
+    the output), its derivative is kept as the index of its nearest level among
     ``2 ** derivative_codes`` fixed ones (:mod:`actune.codebooks`: deterministic, outside the
     allocator's budget) instead of rounded at ``other_bits``; ``None``: rounded.
     """
@@ -65,11 +71,12 @@ class Level:
     boundary_bits: int | None = None
     avg_bits: float | None = None
     derivative_codes: int | None = None
+    gelu_input_bits: int | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
         for field in ("matmul_bits", "other_bits", "nonlinear_bits", "sensitive_bits",
-                      "boundary_bits"):
+                      "boundary_bits", "gelu_input_bits"):
             bits = getattr(self, field)
             if bits is not None:
                 try:
@@ -141,10 +148,10 @@ L1 = Level("L1", matmul_bits=4, masks=True,
 L2 = Level("L2", matmul_bits=4, other_bits=4, masks=True, nonlinear_bits=8,
            description="4 bits for every compressed activation, 1-bit masks")
 L3 = Level("L3", matmul_bits=2, other_bits=2, masks=True, nonlinear_bits=8, sensitive_bits=4,
-           avg_bits=2.0, derivative_codes=2,
+           avg_bits=2.0, derivative_codes=2, gelu_input_bits=4,
            description="2 bits on average, per layer and per sample where the gradient is "
-                       "sensitive (mixed precision), GELU's derivative as 2-bit codes, 1-bit "
-                       "masks (the default)")
+                       "sensitive (mixed precision), GELU's input at 4 bits for its derivative "
+                       "and its output, 1-bit masks (the default)")
 L4 = L3.with_(name="L4", offload=True,
               description="L3 + packed activations offloaded to pinned host memory (CUDA)")
 L5 = L4.with_(name="L5", defrag=True,
@@ -164,7 +171,7 @@ def uniform(bits: int) -> Level:
     baseline that mixed precision at the same average is measured against."""
     layout.check_bits(bits)
     return L3.with_(name=f"u{bits}", matmul_bits=bits, other_bits=bits, avg_bits=None,
-                    sensitive_bits=None, derivative_codes=None,
+                    sensitive_bits=None, derivative_codes=None, gelu_input_bits=None,
                     description=f"{bits} bits for every compressed activation, 1-bit masks")
 
 
@@ -175,10 +182,13 @@ def mixed(avg_bits: float) -> Level:
     if not 1 <= avg_bits <= 8:
         raise ValueError(f"average bits must be within [1, 8], got {avg_bits:g}")
     width = max(b for b in layout.SUPPORTED_BITS if b <= avg_bits)
-    # (2-bit codes of a derivative beat rounding at 2 bits, not at 4)
+    # (a 4-bit input for GELU's derivative and output, or 2-bit codes of its derivative,
+    # beat rounding both at 2 bits, not at 4)
+    narrow = width <= 2
     return L3.with_(name=f"{avg_bits:g}b", matmul_bits=width, other_bits=width,
                     avg_bits=float(avg_bits),
-                    derivative_codes=L3.derivative_codes if width <= 2 else None,
+                    derivative_codes=L3.derivative_codes if narrow else None,
+                    gelu_input_bits=L3.gelu_input_bits if narrow else None,
                     description=f"{avg_bits:g} bits on average, allocated where the gradient "
                                 f"is sensitive; 1-bit masks")
 

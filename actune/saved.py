@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -285,19 +285,24 @@ def feature_major(t: torch.Tensor) -> torch.Tensor:
 
 class Derived:
     """A saved tensor rebuilt from another's packed value: ``base * weight + bias`` (per
-    feature, along the last dims), or ``base * factor`` (two packed values), as ``shape``. A
-    layer norm's output is its normalised input times its weight plus its bias; a gated
-    product's output is its two operands multiplied: a matmul that saves that output reads the
-    packed values its maker keeps anyway instead of packing another copy (the rounding is
-    unbiased in each, independent between the two factors, and linear in every backward that
-    reads it). Its bytes are the base's (and factor's), counted where they were packed."""
+    feature, along the last dims), ``base * factor`` (two packed values), or ``function(base)``,
+    as ``shape``. A layer norm's output is its normalised input times its weight plus its bias;
+    a gated product's output is its two operands multiplied; GELU's output is GELU of its input
+    (``function`` corrects the bias a rounded input leaves in it): a matmul that saves that
+    output reads the packed values its maker keeps anyway instead of packing another copy (the
+    rounding is unbiased in each, independent between the two factors, and linear in every
+    backward that reads it). Its bytes are the base's (and factor's), counted where they were
+    packed."""
 
-    __slots__ = ("__weakref__", "base", "bias", "factor", "keep", "readers", "shape", "weight")
+    __slots__ = ("__weakref__", "base", "bias", "factor", "function", "keep", "readers", "shape",
+                 "weight")
 
     def __init__(self, base: Saved, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 shape: torch.Size | None = None, factor: Saved | None = None) -> None:
+                 shape: torch.Size | None = None, factor: Saved | None = None,
+                 function: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.base, self.weight, self.bias, self.shape = base, weight, bias, shape
         self.factor = factor
+        self.function = function  # elementwise, of the base's value (GELU's output)
         self.readers = 0  # savers handed this value, less those that have read it
         self.keep: torch.Tensor | None = None  # the rebuilt value, for the next reader
 
@@ -353,6 +358,8 @@ class Derived:
             out = self.base.get()
             if factor is not None:
                 out = out * factor.get()
+            if self.function is not None:
+                out = self.function(out)
         if self.weight is not None:
             out = out * self.weight if self.bias is None else torch.addcmul(self.bias, out,
                                                                              self.weight)

@@ -11,12 +11,16 @@ decides which op runs through which function.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd import forward_ad
 
 from actune.lean_batch_norm import LeanBatchNorm
 from actune.max_pool_offsets import OffsetMaxPool, indices_from_offsets, window_offsets
+from actune.quant import group_steps
 from actune.random_masks import drawn_here, keep_mask
 from actune.saved import check_double_backward, take
 
@@ -33,11 +37,14 @@ __all__ = [
     "PackedReLU",
     "PointwiseDerivative",
     "SavedDerivative",
+    "SavedInput",
+    "SmoothFunction",
     "TwoCopySoftmax",
     "arg",
     "as_tuple",
     "conv_args",
     "gelu_derivative",
+    "gelu_function",
     "indices_from_offsets",
     "inside",
     "positive_after",
@@ -258,6 +265,77 @@ class CodedDerivative(torch.autograd.Function):
         d = take(ctx, "d").fresh()
         out = d.mul_(grad) if d.dtype == grad.dtype else grad * d
         return out, None, None, None, None
+
+
+class SavedInput(torch.autograd.Function):
+    """y = f(x) for elementwise f, keeping ``x`` rounded at ``bits`` (wider than the level's
+    average): backward returns ``grad * f'(x_hat)``, and the matmul that saves ``y`` (GELU's
+    output, read by the next linear layer) rebuilds it as ``f(x_hat)`` from the same copy
+    (``Derived``): one 4-bit copy serves both backwards where a 2-bit derivative and a 2-bit
+    output take the same bytes with several times the noise (docs/training.md, "GELU at
+    L3-L5"). ``f(x_hat)`` and ``f'(x_hat)`` are not linear in ``x_hat``: their rounding bias,
+    ``Var / 2`` times the second and third derivatives, is taken off with ``Var`` from the
+    group steps (``step**2 / 6``, its mean over where ``x`` falls between two codes). ``held``
+    receives what :meth:`actune.hooks._Session.derive` needs to rebuild ``y``."""
+
+    @staticmethod
+    def forward(ctx, x, f: SmoothFunction, bits, session, held):
+        ctx.x = session.pack_fixed(x, bits, "activation input", replaces=(x,), by_feature=True)
+        ctx.f = f
+        ctx.half_var = half_var = _half_rounding_variance(ctx.x.packed)
+        held.append((ctx.x, None, None, None, lambda v: f.debiased_value(v, half_var)))
+        return f.value(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        d = ctx.f.debiased_derivative(take(ctx, "x").get(), ctx.half_var)
+        out = d.mul_(grad) if d.dtype == grad.dtype else grad * d
+        return out, None, None, None, None
+
+
+class SmoothFunction:
+    """An elementwise function with its first three derivatives (for :class:`SavedInput`)."""
+
+    def __init__(self, value, derivative, second, third) -> None:
+        self.value, self.derivative, self.second, self.third = value, derivative, second, third
+
+    def debiased_value(self, x: torch.Tensor, half_var: torch.Tensor | None) -> torch.Tensor:
+        y = self.value(x)
+        return y if half_var is None else y.sub_(self.second(x).mul_(half_var.to(y.dtype)))
+
+    def debiased_derivative(self, x: torch.Tensor,
+                            half_var: torch.Tensor | None) -> torch.Tensor:
+        d = self.derivative(x, None)
+        return d if half_var is None else d.sub_(self.third(x).mul_(half_var.to(d.dtype)))
+
+
+def _half_rounding_variance(packed) -> torch.Tensor | None:
+    """Half the mean variance stochastic rounding adds to an element of ``packed``: the mean
+    of ``step**2 / 12`` over its groups (a device scalar; None where ``packed`` holds no
+    steps, as an estimate's fake copy)."""
+    meta = getattr(packed, "meta", None)
+    if type(meta) is not torch.Tensor:
+        return None
+    return group_steps(packed).square().mean() / 12
+
+
+def _normal_density(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.square().mul_(-0.5)).mul_(0.3989422804014327)
+
+
+def gelu_function(approximate: str) -> SmoothFunction:
+    """GELU with its derivatives. The second and third are the erf form's, ``phi(x) * (2 -
+    x**2)`` and ``x * phi(x) * (x**2 - 4)``, for both forms: they only scale a bias
+    correction, where the tanh form's differ by under 1e-3."""
+    def second(x):
+        return _normal_density(x).mul_(2 - x.square())
+
+    def third(x):
+        return _normal_density(x).mul_(x).mul_(x.square() - 4)
+
+    return SmoothFunction(functools.partial(F.gelu, approximate=approximate),
+                          gelu_derivative(approximate), second, third)
 
 
 def value_and_derivative(fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

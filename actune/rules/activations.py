@@ -25,9 +25,11 @@ from actune.substitutes import (
     DerivativeGLU,
     PackedLogSoftmax,
     SavedDerivative,
+    SavedInput,
     TwoCopySoftmax,
     arg,
     gelu_derivative,
+    gelu_function,
     silu_derivative,
 )
 
@@ -43,14 +45,20 @@ def compressible(x, level) -> bool:
 _DERIVATIVE = "derivative rounded at other bits (used linearly)"
 
 
-@register((F.gelu,), "activation", None, _DERIVATIVE + "; or the index of its nearest level "
-          "on a fixed codebook (the level's derivative_codes, deterministic)")
+@register((F.gelu,), "activation", None, "its input at the level's gelu_input_bits, from "
+          "which the matmul reading its output rebuilds it; or " + _DERIVATIVE + "; or the "
+          "index of its nearest level on a fixed codebook (the level's derivative_codes)")
 def gelu(s, func, args, kwargs, level):
     x = args[0]
     if not compressible(x, level):
         return None
     approximate = arg(args, kwargs, 1, "approximate", "none")
     fn = functools.partial(F.gelu, approximate=approximate)
+    if level.gelu_input_bits is not None:
+        held: list = []
+        out = SavedInput.apply(x, gelu_function(approximate), level.gelu_input_bits, s, held)
+        s.derive(out, *held[0])  # (the matmul reading the output rebuilds it from the copy)
+        return out
     if level.derivative_codes is not None:
         return CodedDerivative.apply(x, fn, gelu_derivative(approximate),
                                      gelu_codebook(approximate, level.derivative_codes), s)
