@@ -17,7 +17,8 @@ A variant is a level, optionally with changes joined by ``+``:
   saves stays exact;
 - ``noap``: the allocator's bits per sample off;
 - ``codes2`` (``codes4``): GELU's derivative kept as the index of its nearest level among 4
-  (16) fixed ones (``Level.derivative_codes``) instead of rounded;
+  (16) fixed ones (``Level.derivative_codes``) instead of its input (L3's
+  ``gelu_input_bits``); ``rounded``: the derivative rounded at the level's widths instead;
 - ``dcost100`` (any factor): the allocator's estimated cost of every packed derivative (its
   slots with a 2-bit floor that keep no exact zeros) multiplied by that factor before it
   allocates: what ranking derivatives higher within the same budget buys.
@@ -59,10 +60,14 @@ def variant(model, name: str):
     try:
         if level != "L0":
             codes = [int(c[5:]) for c in changes if c.startswith("codes")]
-            actune.compress(model, actune.get_level(level).with_(derivative_codes=codes[0])
-                            if codes else level, per_sample="noap" not in changes)
+            # (codes or a rounded derivative in place of GELU's kept input)
+            gelu = ({"derivative_codes": codes[0], "gelu_input_bits": None} if codes else
+                    {"derivative_codes": None, "gelu_input_bits": None}
+                    if "rounded" in changes else {})
+            actune.compress(model, actune.get_level(level).with_(**gelu) if gelu else level,
+                            per_sample="noap" not in changes)
         for change in changes:
-            if change.startswith("codes"):
+            if change.startswith("codes") or change == "rounded":
                 continue
             if change.startswith("x-"):
                 names = set(REMOVABLE[change[2:]])
