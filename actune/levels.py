@@ -52,8 +52,8 @@ class Level:
     output rebuilds the output from it instead of keeping a copy of its own (one 4-bit copy
     for two tensors: the bytes of a 2-bit derivative and a 2-bit output, with several times
     less noise in both). ``None``: the derivative is kept (below). ``derivative_codes``: where
-    GELU's input is not kept, and in compiled graphs (which cannot hand the copy to a view of
-    the output), its derivative is kept as the index of its nearest level among
+    GELU's input is not kept, and in compiled graphs (whose statistics would count the one copy
+    as one saved tensor), its derivative is kept as the index of its nearest level among
     ``2 ** derivative_codes`` fixed ones (:mod:`actune.codebooks`: deterministic, outside the
     allocator's budget) instead of rounded at ``other_bits``; ``None``: rounded.
     """
