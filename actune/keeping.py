@@ -21,6 +21,7 @@ from actune.levels import Level
 from actune.quant import (
     PackedCodes,
     PackedMask,
+    PackedTensor,
     _draw_seed,
     pack_mask,
     quantize_checked,
@@ -316,11 +317,16 @@ class Keeper:
         return saved
 
     def pack_fixed(self, t: torch.Tensor, bits: int, kind: str, replaces: tuple = (),
-                   by_feature: bool = False) -> Saved:
+                   by_feature: bool = False,
+                   observe: Callable[[PackedTensor], None] | None = None) -> Saved:
         """Pack ``t`` at ``bits`` whatever the allocator would choose (tensors whose bits the
         level sets apart: attention's q and k, the loss's probabilities); ``by_feature``: each
-        group one feature's values (:mod:`actune.quant_columns`)."""
+        group one feature's values (:mod:`actune.quant_columns`). ``observe`` is handed the
+        packed value where it was made, before any offload moves it to the host (a statistic
+        of it computed there stays on the device, with no wait for the copy)."""
         packed = self._quantize(t, bits, by_feature=by_feature)
+        if observe is not None:
+            observe(packed)
         return self._hold(self._new(packed), kind, replaces)
 
     def pack_fixed_many(self, items: list[tuple[torch.Tensor, int, str]]) -> list[Saved]:

@@ -280,9 +280,11 @@ class SavedInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, f: SmoothFunction, bits, session, held):
-        ctx.x = session.pack_fixed(x, bits, "activation input", replaces=(x,), by_feature=True)
+        found: list = []  # (from the packed copy on its device, before an offload)
+        ctx.x = session.pack_fixed(x, bits, "activation input", replaces=(x,), by_feature=True,
+                                   observe=lambda p: found.append(_half_rounding_variance(p)))
         ctx.f = f
-        ctx.half_var = half_var = _half_rounding_variance(ctx.x.packed)
+        ctx.half_var = half_var = found[0]
         held.append((ctx.x, None, None, None, lambda v: f.debiased_value(v, half_var)))
         return f.value(x)
 
