@@ -276,7 +276,8 @@ class SavedInput(torch.autograd.Function):
     L3-L5"). ``f(x_hat)`` and ``f'(x_hat)`` are not linear in ``x_hat``: their rounding bias,
     ``Var / 2`` times the second and third derivatives, is taken off with ``Var`` from the
     group steps (``step**2 / 6``, its mean over where ``x`` falls between two codes). ``held``
-    receives what :meth:`actune.hooks._Session.derive` needs to rebuild ``y``."""
+    receives the copy and the function that rebuilds ``y`` from its value, for
+    :meth:`actune.hooks._Session.derive`."""
 
     @staticmethod
     def forward(ctx, x, f: SmoothFunction, bits, session, held):
@@ -285,7 +286,7 @@ class SavedInput(torch.autograd.Function):
                                    observe=lambda p: found.append(_half_rounding_variance(p)))
         ctx.f = f
         ctx.half_var = half_var = found[0]
-        held.append((ctx.x, None, None, None, lambda v: f.debiased_value(v, half_var)))
+        held.append((ctx.x, lambda v: f.debiased_value(v, half_var)))
         return f.value(x)
 
     @staticmethod
@@ -326,6 +327,7 @@ def _normal_density(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.square().mul_(-0.5)).mul_(0.3989422804014327)
 
 
+@functools.cache
 def gelu_function(approximate: str) -> SmoothFunction:
     """GELU with its derivatives. The second and third are the erf form's, ``phi(x) * (2 -
     x**2)`` and ``x * phi(x) * (x**2 - 4)``, for both forms: they only scale a bias

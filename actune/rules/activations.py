@@ -53,12 +53,13 @@ def gelu(s, func, args, kwargs, level):
     if not compressible(x, level):
         return None
     approximate = arg(args, kwargs, 1, "approximate", "none")
-    fn = functools.partial(F.gelu, approximate=approximate)
     if level.gelu_input_bits is not None:
         held: list = []
         out = SavedInput.apply(x, gelu_function(approximate), level.gelu_input_bits, s, held)
-        s.derive(out, *held[0])  # (the matmul reading the output rebuilds it from the copy)
+        copy, rebuild = held[0]  # (the matmul reading the output rebuilds it from the copy)
+        s.derive(out, copy, None, None, function=rebuild)
         return out
+    fn = functools.partial(F.gelu, approximate=approximate)
     if level.derivative_codes is not None:
         return CodedDerivative.apply(x, fn, gelu_derivative(approximate),
                                      gelu_codebook(approximate, level.derivative_codes), s)
