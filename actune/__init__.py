@@ -1,7 +1,9 @@
 """actune: activation-compressed training for PyTorch, and an auto-tuner around it."""
 
-from actune.autoprec import AutoPrecision
-from actune.bit_allocation import allocate
+from actune.autoprec.allocator import AutoPrecision
+from actune.autoprec.solver import allocate
+from actune.chunked_loss.linear_loss import linear_cross_entropy
+from actune.chunked_loss.lm_head import chunk_loss, chunks_loss
 from actune.convert import (
     autoprec_of,
     compress,
@@ -13,14 +15,14 @@ from actune.convert import (
     track_stats,
 )
 from actune.families import default_level
-from actune.hooks import CompressionStats, compressed
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import LEVELS, Level, get_level, parse_levels
-from actune.linear_loss import linear_cross_entropy
-from actune.lm_head import chunk_loss, chunks_loss
-from actune.quant import PackedMask, PackedTensor, dequantize, pack_mask, quantize, unpack_mask
-from actune.quant_batch import dequantize_many, quantize_many
-from actune.saved import DoubleBackwardError
+from actune.packing.batch import dequantize_many, quantize_many
+from actune.packing.formats import PackedMask, PackedTensor
+from actune.packing.masks import pack_mask, unpack_mask
+from actune.packing.saved import DoubleBackwardError, offload_simulated
+from actune.packing.tensors import dequantize, quantize
+from actune.session.hooks import CompressionStats, compressed
 
 __version__ = "0.1.0"
 
@@ -49,6 +51,7 @@ __all__ = [
     "get_level",
     "is_compressed",
     "linear_cross_entropy",
+    "offload_simulated",
     "pack_mask",
     "parse_levels",
     "quantize",

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from actune.autoprec import AutoPrecision
+from actune.autoprec.allocator import AutoPrecision
+from actune.chunked_loss.lm_head import chunk_loss
 from actune.families import default_level
-from actune.fused import FUSED, class_name, fused_of
-from actune.hooks import active_level, compressed, shared_cache
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
-from actune.lm_head import chunk_loss
+from actune.session.hooks import active_level, compressed, shared_cache
+from actune.substitutes.fused import FUSED, class_name, fused_of
 from actune.traced import TracedMode, dispatch, traced
 
 __all__ = ["ConversionRow", "autoprec_of", "compress", "count_compiled", "decompress",
@@ -251,7 +251,7 @@ def compress(model: nn.Module, level: str | Level | None = None, *, every: int =
     inline activations, a loss the model computes itself, as Hugging Face models do with
     ``labels``) follow the same rules; a loss computed outside the model is not covered: wrap
     it in :func:`actune.compressed` too. A mixed-precision level (L3-L5, ``"2b"``, ``"1.25b"``)
-    attaches an :class:`~actune.autoprec.AutoPrecision` (see :func:`autoprec_of`); each
+    attaches an :class:`~actune.autoprec.allocator.AutoPrecision` (see :func:`autoprec_of`); each
     forward pass in training mode is one step of it, ``every`` steps between allocations,
     ``per_sample`` bits per sample too. A Hugging Face causal LM trained with ``labels``
     computes its head and loss in chunks, the logits never whole (:func:`actune.chunk_loss`;

@@ -4,10 +4,10 @@
   whatever its base (docs/benchmarks.md, "A LoRA fine-tune").
 - A Hugging Face model of a family measured short of the goal at L3 (validation loss within
   0.5% of L0's, trained from scratch) gets the level measured to hold it: :data:`SHORT_AT_L3`,
-  recognised by its configuration's ``model_type``. One family is there: Phi (L3 +0.74% over
-  6 seeds, L2 +0.22%; docs/benchmarks.md, "Every family").
-- Every other model gets L3: Llama, Qwen2, GPT-2, GPT-NeoX and BERT hold it (-0.20% to
-  +0.40%); a user's own model is treated as its kin are.
+  recognised by its configuration's ``model_type``. One family is there: Phi
+  (docs/benchmarks.md, "Every family").
+- Every other model gets L3: Llama, Qwen2, GPT-2, GPT-NeoX and BERT hold it (same section);
+  a user's own model is treated as its kin are.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from actune.hooks import allow_overwrite
+from actune.session.hooks import allow_overwrite
 
 __all__ = ["allow_inplace_norms", "disallow_inplace_norms"]
 

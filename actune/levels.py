@@ -12,15 +12,14 @@ import json
 import re
 from dataclasses import asdict, dataclass, replace
 
-from actune.codebooks import WIDTHS
+from actune import tunables
+from actune.packing.codebooks import WIDTHS
 from actune_kernels import layout
 
 __all__ = ["LEVELS", "Level", "get_level", "mixed", "parse_levels", "uniform"]
 
 
-#: A layer whose output has this many times its input's features or more keeps its input at
-#: :attr:`Level.narrow_width`.
-WIDENING = 8
+
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,8 @@ class Level:
     k; the two operands of a gated product, each multiplying the other's whole gradient);
     ``None``: ``other_bits``. ``boundary_bits``: bits for the inputs a checkpointed region keeps
     to recompute itself from (``None``: ``nonlinear_bits``). ``avg_bits``: mixed precision: an
-    allocator (:class:`actune.autoprec.AutoPrecision`) gives each compressed tensor, and each
+    allocator (:class:`actune.autoprec.allocator.AutoPrecision`) gives each compressed tensor, and
+    each
     sample of it, 1, 2, 4 or 8 bits, ``avg_bits`` on average, more where the gradient is
     sensitive (levels named ``"2b"``, ``"1.25b"``...; see :func:`get_level`).
     ``gelu_input_bits``: GELU keeps its input rounded at these bits, outside the allocator's
@@ -54,7 +54,8 @@ class Level:
     less noise in both). ``None``: the derivative is kept (below). ``derivative_codes``: where
     GELU's input is not kept, and in compiled graphs (whose statistics would count the one copy
     as one saved tensor), its derivative is kept as the index of its nearest level among
-    ``2 ** derivative_codes`` fixed ones (:mod:`actune.codebooks`: deterministic, outside the
+    ``2 ** derivative_codes`` fixed ones (:mod:`actune.packing.codebooks`: deterministic, outside
+    the
     allocator's budget) instead of rounded at ``other_bits``; ``None``: rounded.
     """
 
@@ -112,7 +113,7 @@ class Level:
 
     @property
     def narrow_width(self) -> int | None:
-        """The bits of a layer's input with 1/:data:`WIDENING` of its output's features or
+        """The bits of a layer's input with 1/:data:`tunables.WIDENING` of its output's features or
         fewer (an adapter's rank-r input to its B matrix): ``nonlinear_bits`` if wider than
         ``matmul_bits`` (None where those are kept exact). Such an input costs a fraction of
         its output's memory, and its noise goes whole into the weight gradient."""
@@ -122,7 +123,7 @@ class Level:
 
     def widens(self, features_in: int, features_out: int) -> bool:
         """Does a layer of these widths take :attr:`narrow_width` for its input?"""
-        return features_in * WIDENING <= features_out
+        return features_in * tunables.WIDENING <= features_out
 
     @functools.cached_property  # (read on every routed call; the level is frozen)
     def exact(self) -> bool:

@@ -133,8 +133,7 @@ def _serial(kernel):
 
 
 #: The same kernels on the calling thread alone, for tensors under these sizes: there waking
-#: the thread pool costs more than it saves (one 2-bit tensor of 4,096 elements: 5.4 against
-#: 7.7 us to pack, 1.5 against 4.8 us to unpack; docs/benchmarks.md).
+#: the thread pool costs more than it saves (docs/benchmarks.md, "Kernels").
 _pack_serial = _serial(_pack)
 _unpack_serial = _serial(_unpack)
 SERIAL_PACK = 8192

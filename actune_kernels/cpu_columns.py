@@ -35,8 +35,7 @@ _random24 = SCALAR.random24
 _U32 = np.uint32
 _U64 = np.uint64
 #: The most features a parallel task takes: a task's rows run longer the more it takes
-#: (1,024 x 680 values at 4 bits: pack 0.77x, unpack 0.41x-0.70x the time of 64 features a
-#: task; docs/benchmarks.md).
+#: (docs/benchmarks.md, "Step speed on the CPU").
 MAX_TASK_FEATURES = 1024
 #: Tasks wanted per thread, where the row blocks alone are fewer.
 TASKS_PER_THREAD = 2

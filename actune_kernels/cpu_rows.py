@@ -1,5 +1,5 @@
 """CPU kernels for one tensor whose rows have their own widths (the bit allocator's per-sample
-bits, :class:`actune.quant.PackedRows`): each row's bytes and metadata are those
+bits, :class:`actune.packing.tensors.PackedRows`): each row's bytes and metadata are those
 :func:`.cpu.pack` gives the whole tensor at that row's width."""
 
 from __future__ import annotations

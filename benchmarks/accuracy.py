@@ -18,10 +18,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from actune import zoo
-from actune.data import digits
+from actune.apps import zoo
+from actune.apps.data import digits
+from actune.apps.train import train
 from actune.levels import parse_levels
-from actune.train import train
 
 
 def main() -> None:

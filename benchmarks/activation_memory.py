@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import actune
-from actune import zoo
+from actune.apps import zoo
 
 MiB = 2**20
 LEVELS = ("L0", "L1", "L2", "L3")

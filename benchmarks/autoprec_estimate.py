@@ -22,10 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 import actune
-from actune import zoo
-from actune.autoprec import allocate, objective
-from actune.data import digits
-from actune.numerics import _grads, _layers, _no_dropout
+from actune.apps import zoo
+from actune.apps.data import digits
+from actune.apps.numerics import _grads, _layers, _no_dropout
+from actune.autoprec.allocator import allocate, objective
 
 
 def main() -> None:

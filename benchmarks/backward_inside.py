@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 import actune
-from actune import zoo
+from actune.apps import zoo
 from actune.memory.heap import allocation_peak
 
 MiB = 2**20

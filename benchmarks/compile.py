@@ -25,7 +25,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import actune
-from actune import zoo
+from actune import tunables
+from actune.apps import zoo
 from actune.memory.heap import allocation_peak
 
 
@@ -135,8 +136,7 @@ def main() -> None:
     if args.no_layout_optimization:
         inductor_config.layout_optimization = False
     if args.fused_packs:
-        from actune import quant_graph
-        quant_graph.USE_ON_CPU = False
+        tunables.GRAPH_OPS_ON_CPU = False
     for title, make in chosen.items():
         steps, breaks = {}, {}
         for compiled in (False, True):

@@ -18,8 +18,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from actune.quant import dequantize, quantize_checked
-from actune.saved import feature_major
+from actune.packing.columns import feature_major
+from actune.packing.tensors import dequantize, quantize_checked
 
 SHAPES = ((8, 128, 256), (8, 128, 680), (16, 512, 768), (4, 1024, 2048))
 

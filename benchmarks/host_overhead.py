@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import actune
-from actune.zoo import resnet
+from actune.apps.zoo import resnet
 
 #: The step clock: this thread's CPU time (``time.perf_counter`` for wall time).
 CLOCK = time.thread_time

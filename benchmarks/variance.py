@@ -29,11 +29,11 @@ from rich.console import Console
 from rich.table import Table
 
 import actune
-from actune import zoo
-from actune.data import digits
+from actune.apps import zoo
+from actune.apps.data import digits
+from actune.apps.numerics import measure
+from actune.apps.train import train
 from actune.levels import get_level
-from actune.numerics import measure
-from actune.train import train
 
 PAIRS = (("u2", "L3"), ("u4", "4b"))
 

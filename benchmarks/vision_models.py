@@ -28,7 +28,7 @@ from rich.table import Table
 from torch import nn
 
 import actune
-from actune import zoo
+from actune.apps import zoo
 
 try:
     import transformers
@@ -65,7 +65,7 @@ def models(size: int) -> dict[str, tuple[nn.Module, object, int]]:
         hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1], num_labels=10))
     out["ConvNeXt (GELU)"] = (m, _hf(m), size)
     m = zoo.MobileNetV3Small(num_classes=10, dropout=0.0)
-    out["MobileNetV3-Small (actune.zoo)"] = (m, lambda x, y, m=m: F.cross_entropy(m(x), y),
+    out["MobileNetV3-Small (actune.apps.zoo)"] = (m, lambda x, y, m=m: F.cross_entropy(m(x), y),
                                              size)
     return out
 

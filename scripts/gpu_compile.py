@@ -20,7 +20,7 @@ import time
 import torch
 
 import actune
-from actune import zoo
+from actune.apps import zoo
 from actune.traced.pack import pack
 
 MIB = 2**20

@@ -26,7 +26,7 @@ import torch
 from actune.memory.gpu_model import GpuModel
 from actune.memory.gpu_profiles import find_profile, profile_of
 from actune.tune.probe import Trial
-from actune.tune.workload import from_source
+from actune.tune.sources import from_source
 
 MIB = 2**20
 CASES = [("builtin:resnet50", {"resolution": 224}, 64),

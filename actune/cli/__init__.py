@@ -3,7 +3,7 @@
 One module per family of commands, each registering its commands on :data:`app` when
 imported (in the order ``--help`` lists them)."""
 
-from actune.cli.app import app, main
+from actune.cli.app import app
 
 # isort: off
 from actune.cli import tuning  # noqa: F401 - maxbatch, scale, bench
@@ -12,3 +12,8 @@ from actune.cli import tools  # noqa: F401 - numerics, summary, info, kernels
 # isort: on
 
 __all__ = ["app", "main"]
+
+
+def main() -> None:
+    """The ``actune`` console script."""
+    app()

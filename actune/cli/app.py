@@ -106,15 +106,10 @@ def errors(debug: bool):
 
 def write_result(data, path: Path) -> None:
     """Write ``--json``; a write that fails (a full disk) is the user's error to fix, exit 2."""
-    from actune.report import write_json
+    from actune.tune.report import write_json
 
     try:
         write_json(data, path)
     except OSError as err:
         raise UsageError(f"cannot write --json {path}: {err.strerror or err}") from None
 
-
-def main() -> None:
-    import actune.cli  # noqa: F401 - the commands register themselves on import
-
-    app()

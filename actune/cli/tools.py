@@ -46,8 +46,8 @@ def numerics(
     ActNN's variance analysis, on real data: SGD's variance is that of the minibatch."""
     import torch
 
+    from actune.apps.numerics import measure
     from actune.levels import parse_levels
-    from actune.numerics import measure
 
     with errors(debug):
         work = load_workload(model_file, model)
@@ -87,7 +87,7 @@ def numerics(
         console.print("bias floor: the bias that the finite number of seeds alone explains "
                       "(an unbiased level stays near it)")
         if json_path is not None:
-            write_result({"schema": "actune.numerics/1", "model": work.name, "seed": seed,
+            write_result({"schema": "actune.apps.numerics/1", "model": work.name, "seed": seed,
                          "levels": [r.as_dict() for r in results]}, json_path)
             console.print(f"JSON written to {json_path}")
 
@@ -134,7 +134,7 @@ def info(debug: Debug = False) -> None:
     from actune.levels import LEVELS
     from actune.memory import parse_budget, probe
     from actune.memory.gpu_profiles import PROFILES
-    from actune.report import human_bytes
+    from actune.tune.report import human_bytes
 
     with errors(debug):
         dev = probe()

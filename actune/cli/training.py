@@ -58,8 +58,8 @@ def train(
     Default: a small CNN on scikit-learn's digits, which ship offline."""
     import torch
 
+    from actune.apps.train import train as run_train
     from actune.levels import parse_levels
-    from actune.train import train as run_train
 
     with errors(debug):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,7 +116,7 @@ def _progress_steps(quiet: bool):
 
 
 def _train_json(model: str, seed: int, results: dict, allocators: dict) -> dict:
-    return {"schema": "actune.train/1", "model": model, "seed": seed,
+    return {"schema": "actune.apps.train/1", "model": model, "seed": seed,
             "levels": {name: {"epochs": [r.as_dict() for r in rows],
                               "allocation": _allocation_json(allocators.get(name))}
                        for name, rows in results.items()}}

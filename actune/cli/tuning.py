@@ -68,7 +68,7 @@ class _Latest:
 
 
 def _callbacks(progress, levels, json_path: Path | None, latest: _Latest):
-    from actune.report import human_bytes
+    from actune.tune.report import human_bytes
 
     per = TRIALS_PER_LEVEL
     task = (progress.add_task("starting", total=len(levels) * per, done=0, levels=len(levels))
@@ -100,7 +100,7 @@ def _callbacks(progress, levels, json_path: Path | None, latest: _Latest):
 
 
 def _finish(report, quiet: bool, json_path: Path | None) -> None:
-    from actune.report import render
+    from actune.tune.report import render
 
     if not quiet and report is not None:
         render(report, console)
@@ -291,7 +291,7 @@ def _plot(plot: Path | None, workload, level_list, settings, report, sizes: dict
     batch (its own max batch after maxbatch or bench --at-max)."""
     if plot is None:
         return
-    from actune.plot import throughput_curves
+    from actune.cli.plot import throughput_curves
 
     throughput_curves(workload, level_list, settings, report, sizes, plot)
     if not quiet:

@@ -26,19 +26,13 @@ def load_workload(model_file: Path | None, model: str, hf: str | None = None,
 
 def _source(model_file: Path | None, model: str, hf: str | None = None,
             hf_class: str | None = None):
-    """The model file's workload, the Hugging Face config's (``--hf``), or the built-in
-    model's."""
-    from actune.tune import workload as wl
+    """The workload the options name (:func:`actune.tune.sources.resolve`)."""
+    from actune.tune.sources import AmbiguousSourceError, resolve
 
-    if hf is not None:
-        if model_file is not None:
-            raise UsageError("give a model file or --hf, not both")
-        from actune.tune.hf_workload import hf_workload
-
-        return hf_workload(hf, hf_class)
-    if hf_class is not None:
-        raise UsageError("--hf-class names the class of an --hf model: give --hf too")
-    return wl.load(model_file) if model_file is not None else wl.builtin(model)
+    try:
+        return resolve(model_file, model, hf, hf_class)
+    except AmbiguousSourceError as err:
+        raise UsageError(str(err)) from None
 
 
 def dataset_and_sizes(work, resolution: int | None):

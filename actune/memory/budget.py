@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from actune import tunables
 from actune.memory.gpu_profiles import DeviceProfile
 from actune.memory.nvml import DeviceInfo
 
-#: Kept free on a GPU for the CUDA context, cuBLAS/cuDNN workspaces and allocator slack.
-GPU_RESERVE = 1536 * 2**20
 #: The budget used when there is no GPU to ask (a common 16 GiB card).
 SIMULATED_BUDGET = 16 * 2**30
+
+
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
@@ -38,9 +39,9 @@ def parse_budget(text: str | None, device: DeviceInfo, profile: DeviceProfile | 
         return _profile_budget(text, profile, world_size, device)
     if text is None:
         if device.available:
-            return Budget(max(device.free - GPU_RESERVE, 0),
+            return Budget(max(device.free - tunables.GPU_RESERVE, 0),
                           f"NVML free memory of {device.name} less a "
-                          f"{GPU_RESERVE / 2**30:.1f} GiB reserve")
+                          f"{tunables.GPU_RESERVE / 2**30:.1f} GiB reserve")
         return Budget(SIMULATED_BUDGET, "simulated 16 GiB device (no GPU found; set --budget)")
     s = text.strip().lower().replace(" ", "")
     if s.endswith("%"):

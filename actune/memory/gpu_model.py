@@ -13,13 +13,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from actune.memory.allocator_settings import user_sets_expandable_segments
 from actune.memory.cuda_allocator import AllocatorConfig, replay
 from actune.memory.gpu_profiles import (
     DeviceProfile,
     cublas_workspace_bytes,
     cublaslt_workspace_bytes,
 )
+from actune.session.allocator_settings import user_sets_expandable_segments
 
 #: ops that run through cuBLAS (a step with any of them holds cuBLAS workspaces)
 BLAS_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
@@ -69,7 +69,7 @@ class GpuModel:
     def defragmenting(self) -> GpuModel:
         """The model of an L5 run (``Level.defrag``): expandable segments on, as the level
         turns them on, unless the user's configuration in ``env`` sets them either way
-        (:mod:`actune.memory.allocator_settings`)."""
+        (:mod:`actune.session.allocator_settings`)."""
         if self.allocator.expandable_segments or user_sets_expandable_segments(self.env):
             return self
         return replace(self, allocator=replace(self.allocator, expandable_segments=True))

@@ -26,11 +26,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools import mem_tracker
 
-from actune.hooks import CompressionStats
 from actune.memory.gpu_model import GpuModel, StepTrace
 from actune.memory.trace import TraceRecorder
 from actune.memory.tracker import PeakTracker
-from actune.saved import simulated_offload
+from actune.packing.saved import simulated_offload
+from actune.session.hooks import CompressionStats
 
 #: torch's ModTracker's warnings under checkpointing (see StepMeter.peak)
 _TRACKER_WARNINGS = ("The module hierarchy tracking maybe be messed up",

@@ -11,8 +11,8 @@ from torch.distributed._tools import mem_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from actune.lazy_logits import LazyLogits
 from actune.memory.trace import TraceRecorder
+from actune.substitutes.lazy_logits import LazyLogits
 
 
 class _NoHook:
@@ -108,8 +108,8 @@ class PeakTracker(MemTracker):
 
     def _dispatch(self, func, types, args, kwargs):
         self._judge_sum()
-        if func is _DEVICE:  # fake tensors' device queries (the autograd engine's, 40% of an
-            return func(*args)  # estimate's operations) allocate nothing: no bookkeeping
+        if func is _DEVICE:  # fake tensors' device queries (the autograd engine's, many of
+            return func(*args)  # an estimate's operations) allocate nothing: no bookkeeping
         if func.is_view and mem_tracker.DTensor not in types:  # a view of tracked storage
             out = func(*args, **(kwargs or {}))  # changes no count: no bookkeeping either
             if self._tracked(out):

@@ -17,10 +17,10 @@ import functools
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.codebooks import gelu_codebook
-from actune.rules import register
-from actune.saved import row_statistic
-from actune.substitutes import (
+from actune.packing.codebooks import gelu_codebook
+from actune.packing.saved import row_statistic
+from actune.rules.registry import register
+from actune.substitutes.functions import (
     CodedDerivative,
     DerivativeGLU,
     PackedLogSoftmax,
@@ -36,7 +36,7 @@ from actune.substitutes import (
 
 def compressible(x, level) -> bool:
     """Is ``x`` a floating tensor large enough to pack at ``level.other_bits``, and not a
-    per-row statistic (:func:`~actune.saved.row_statistic`, kept exact)?"""
+    per-row statistic (:func:`~actune.packing.saved.row_statistic`, kept exact)?"""
     return (level.other_bits is not None and isinstance(x, torch.Tensor)
             and x.is_floating_point() and x.numel() >= level.min_numel
             and not row_statistic(x))

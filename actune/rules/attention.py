@@ -10,10 +10,11 @@ and neither the output nor the log-sum-exp: backward runs the attention forward 
 (with the forward's random state, for dropout, and its autocast state) and differentiates
 that. With dropout on the CPU (where PyTorch's only backend for it is its math one, drawing
 the mask with ``bernoulli_``) the rule computes the same math itself, the dropout mask drawn
-from a seed (:mod:`actune.random_masks`) and drawn again in backward: nothing more is kept,
+from a seed (:mod:`actune.packing.random_masks`) and drawn again in backward: nothing more is kept,
 and the forward takes 0.4x of PyTorch's time there (docs/benchmarks.md). Under autocast too
 (the recomputation replays it). Forward and backward take a slice of the batch at a time
-where the whole batch's maps would pass :data:`MAP_SLICE`: PyTorch's math form holds the
+where the whole batch's maps would pass :data:`tunables.ATTENTION_MAP_SLICE`: PyTorch's math form
+holds the
 scores, probabilities and their gradients for all of it at once.
 
 A learned additive bias (a float ``attn_mask`` that requires grad: a relative position bias)
@@ -32,12 +33,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
 
-from actune.multihead import decompose
-from actune.random_masks import drawn_here, keep_mask
-from actune.rules import register
+from actune import tunables
+from actune.packing.random_masks import drawn_here, keep_mask
+from actune.packing.saved import check_double_backward, get_many, plain_saving, take
 from actune.rules.activations import compressible
-from actune.saved import check_double_backward, get_many, plain_saving, take
-from actune.substitutes import arg
+from actune.rules.registry import register
+from actune.substitutes.functions import arg
+from actune.substitutes.multihead import decompose
 
 _LABEL = "scaled_dot_product_attention q/k"
 _BIAS_LABEL = "scaled_dot_product_attention bias"
@@ -92,9 +94,7 @@ def _math(q, k, v, options, bias, seed, keep=None):
     return torch.matmul(probs * keep, v).div_(1 - dropout_p)
 
 
-#: Attention-map elements one slice of the math path holds (64 MiB in float32): its maps
-#: (scores, probabilities, their gradients) live a slice at a time, not a batch at a time.
-MAP_SLICE = 1 << 24
+
 
 
 def _slices(q, k, v, options) -> tuple[torch.Size, int] | None:
@@ -110,7 +110,7 @@ def _slices(q, k, v, options) -> tuple[torch.Size, int] | None:
         return None  # (broadcast batch dims)
     shape = torch.Size((*q.shape[:-1], k.shape[-2]))  # (with gqa: q's heads)
     per_row = shape.numel() // rows
-    step = max(1, MAP_SLICE // max(per_row, 1))
+    step = max(1, tunables.ATTENTION_MAP_SLICE // max(per_row, 1))
     return (shape, step) if step < rows else None
 
 
@@ -189,13 +189,13 @@ def _pack_bias(session, bias: torch.Tensor, q: torch.Tensor, level) -> tuple:
     if bias.is_leaf:
         return (bias,)  # a parameter (a leaf that requires grad): held anyway, costs nothing
     if bits is None:
-        return (session.keep_exact(bias, _BIAS_LABEL),)
+        return (session.packer.keep_exact(bias, _BIAS_LABEL),)
     detached = bias.detach()
     floor = torch.finfo(bias.dtype).min / 2
     masked = (detached < detached.amax(-1, keepdim=True) - MASKED_BELOW) | (detached <= floor)
     values = detached.masked_fill(masked, 0.0)
-    return (session.pack_bool(masked, "attention bias mask", replaces=(bias,)),
-            session.pack_fixed(values, bits, "attention bias"))
+    return (session.packer.pack_bool(masked, "attention bias mask", replaces=(bias,)),
+            session.packer.pack_fixed(values, bits, "attention bias"))
 
 
 def _unpack_bias(kept: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -213,7 +213,7 @@ class RecomputedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, options, level, session):
         device = q.device
         drawn = options[1] > 0 and drawn_here(q)
-        ctx.seed = session.draw_seed(q) if drawn else None
+        ctx.seed = session.packer.draw_seed(q) if drawn else None
         ctx.rng = _rng_state(device) if options[1] > 0 and not drawn else None
         ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
                         torch.get_autocast_dtype(device.type))
@@ -223,16 +223,16 @@ class RecomputedAttention(torch.autograd.Function):
             out = _math_forward(q, k, v, options, ctx.seed)
         else:
             out = _math(q, k, v, options, bias, ctx.seed)
-        session.count(out)  # what PyTorch's backends keep besides q, k and v
+        session.accounting.count(out)  # what PyTorch's backends keep besides q, k and v
         ctx.bias = None if bias is None else _pack_bias(session, bias, q, level)
         ctx.bias_dtype = None if bias is None else bias.dtype
         bits = level.nonlinear_bits
         v_bits = level.sensitive_width
         if bits is None:
-            ctx.q, ctx.k = (session.keep_exact(t, _LABEL) for t in (q, k))
-            ctx.v = session.pack_fixed(v, v_bits, "attention v", replaces=(v,))
+            ctx.q, ctx.k = (session.packer.keep_exact(t, _LABEL) for t in (q, k))
+            ctx.v = session.packer.pack_fixed(v, v_bits, "attention v", replaces=(v,))
         else:  # small ones in one kernel call
-            ctx.q, ctx.k, ctx.v = session.pack_fixed_many(
+            ctx.q, ctx.k, ctx.v = session.packer.pack_fixed_many(
                 [(q, bits, "attention q/k"), (k, bits, "attention q/k"), (v, v_bits,
                                                                          "attention v")])
         ctx.options = options
@@ -290,7 +290,5 @@ def _replayed(ctx):
           "with its weights returned as their products' and softmax's); elsewhere (a key "
           "padding mask, a mask of its own...) PyTorch's own code, exact")
 def multihead_attention(s, func, args, kwargs, level):
-    from actune.mode import FunctionMode  # (the mode imports the rules)
-
-    with FunctionMode(s):  # (its calls routed one by one, as a model's own would be)
+    with s.routing():  # (its calls routed one by one, as a model's own would be)
         return decompose(args, kwargs)

@@ -19,10 +19,10 @@ import numbers
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.rules import register
+from actune.packing.saved import check_double_backward, take
 from actune.rules.activations import compressible
-from actune.saved import check_double_backward, take
-from actune.substitutes import SavedDerivative, arg
+from actune.rules.registry import register
+from actune.substitutes.functions import SavedDerivative, arg
 
 register((torch.exp, torch.Tensor.exp, torch.square, torch.Tensor.square),
          "elementwise", "other", "operands rounded at other bits (backward linear in each)")(None)
@@ -57,7 +57,7 @@ class CompactEmbedding(torch.autograd.Function):
         rows = weight.shape[0]
         dtype = (torch.uint8 if rows <= 256 else torch.int16 if rows <= 32768
                  else torch.int32)
-        ctx.ids = session.pack_small_ints(ids, "embedding indices", (ids,), dtype)
+        ctx.ids = session.packer.pack_small_ints(ids, "embedding indices", (ids,), dtype)
         ctx.conf = (rows, padding_idx, scale_grad_by_freq)
         return F.embedding(ids, weight, None if padding_idx < 0 else padding_idx)
 
@@ -115,8 +115,8 @@ class GatedProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, bits, session, held):
-        ctx.a = session.pack_fixed(a, bits, "product", replaces=(a,), by_feature=True)
-        ctx.b = session.pack_fixed(b, bits, "product", replaces=(b,), by_feature=True)
+        ctx.a = session.packer.pack_fixed(a, bits, "product", replaces=(a,), by_feature=True)
+        ctx.b = session.packer.pack_fixed(b, bits, "product", replaces=(b,), by_feature=True)
         held.extend((ctx.a, ctx.b))
         return a * b
 
@@ -131,7 +131,7 @@ class GatedProduct(torch.autograd.Function):
 
 def _times(grad: torch.Tensor, saved) -> torch.Tensor:
     """``grad`` times a packed operand: folded into its unpack where the kernels can
-    (:meth:`~actune.saved.Saved.times`), else written over its dequantized copy where the
+    (:meth:`~actune.packing.saved.Saved.times`), else written over its dequantized copy where the
     dtypes agree and nothing else holds that copy (one temporary less)."""
     if saved.folds() or saved.held:  # (held: dequantized already, for the other reader)
         return saved.times(grad)
@@ -173,8 +173,8 @@ class CubeTwoCopies(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bits, session):
-        ctx.x1 = session.pack_value(x, bits, "derivative", replaces=(x,))
-        ctx.x2 = session.pack_value(x, bits, "derivative")
+        ctx.x1 = session.packer.pack_value(x, bits, "derivative", replaces=(x,))
+        ctx.x2 = session.packer.pack_value(x, bits, "derivative")
         return x.pow(3)
 
     @staticmethod

@@ -16,14 +16,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
 
-from actune.lazy_logits import LazyLogits, cross_entropy_in_chunks
-from actune.rules import register
+from actune import tunables
+from actune.packing.saved import check_double_backward, take
 from actune.rules.activations import compressible
-from actune.saved import check_double_backward, take
-from actune.substitutes import arg
-
-#: Elements of the logits handled at a time (a float32 slice of 16 MiB).
-SLICE = 1 << 22
+from actune.rules.registry import register
+from actune.substitutes.functions import arg
+from actune.substitutes.lazy_logits import LazyLogits, cross_entropy_in_chunks
 
 
 @register((F.cross_entropy,), "loss", None,
@@ -106,7 +104,7 @@ class PackedCrossEntropy(torch.autograd.Function):
         if weight is not None:
             row_weight = row_weight * weight.float()[safe]
         losses = torch.empty(n, dtype=torch.float32, device=x.device)
-        rows = max(1, SLICE // max(classes, 1))
+        rows = max(1, tunables.LOSS_SLICE // max(classes, 1))
         packed = []
         for start in range(0, n, rows):
             p, losses[start:start + rows] = _probabilities(x[start:start + rows].float(),
@@ -114,8 +112,8 @@ class PackedCrossEntropy(torch.autograd.Function):
                                                            smoothing, x.is_cpu)
             if x.dtype != torch.float32:
                 p = p.to(x.dtype)
-            session.count(p)  # PyTorch keeps the log-probabilities, as large
-            packed.append(session.pack_fixed(p, bits, "cross_entropy"))
+            session.accounting.count(p)  # PyTorch keeps the log-probabilities, as large
+            packed.append(session.packer.pack_fixed(p, bits, "cross_entropy"))
             del p
         losses.mul_(row_weight)
         ctx.packed, ctx.rows = packed, rows

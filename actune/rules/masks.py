@@ -5,7 +5,7 @@ Their backward needs only which of two slopes holds where (or the dropout mask):
 exact. PReLU's weight gradient also reads its negative inputs, linearly: rounded. At
 a level with 2 bits or more, ReLU instead packs its output once with code 0 kept for exact
 zeros: that one copy serves the next layer's saved input and this backward's mask. A small
-ReLU (under ``LEAN_NUMEL`` elements) without an allocator runs as PyTorch's own, its saved
+ReLU (under ``tunables.LEAN_NUMEL`` elements) without an allocator runs as PyTorch's own, its saved
 output packed so by the hooks (rule bits ``"zeros"``): no autograd function around it, whose
 Python costs more than the memory it saves there (a gradient-sized tensor in backward).
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune import substitutes
-from actune.rules import register
+from actune import tunables
 from actune.rules.pointwise import derivative_rule
-from actune.substitutes import (
+from actune.rules.registry import register
+from actune.substitutes.functions import (
     MaskedDropout,
     MaskedLinear,
     MaskedPReLU,
@@ -42,7 +42,7 @@ def relu(s, func, args, kwargs, level):
     inplace = func in _RELU_INPLACE or (func is F.relu and bool(kwargs.get("inplace")))
     bits = level.matmul_bits or level.other_bits
     if bits is not None and bits >= 2 and x.is_floating_point():
-        if x.numel() < substitutes.LEAN_NUMEL and s.allocator() is None:
+        if x.numel() < tunables.LEAN_NUMEL and s.allocator() is None:
             return None  # PyTorch's own ReLU; the hooks pack its output ("zeros")
         return PackedReLU.apply(x, inplace, bits, s)
     fn = torch.relu_ if inplace else torch.relu

@@ -3,7 +3,8 @@
 What they save is their inputs (the weight gradient reads the activation, the input gradient
 the weight). Both backward products are linear in each saved tensor, so the activation is kept
 stochastically rounded at the level's ``matmul_bits``: the gradient stays unbiased. Parameters
-stay references. Large plain convolutions run :class:`~actune.substitutes.OrderedConv`, whose
+stay references. Large plain convolutions run :class:`~actune.substitutes.functions.OrderedConv`,
+whose
 backward holds one activation-sized tensor at a time.
 """
 
@@ -12,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.lazy_logits import LazyHead, is_head
-from actune.rules import register
-from actune.substitutes import OrderedConv, arg, conv_args
+from actune.rules.registry import register
+from actune.substitutes.functions import OrderedConv, arg, conv_args
+from actune.substitutes.lazy_logits import LazyHead, is_head
 
 PLAIN_CONVS = (F.conv1d, F.conv2d, F.conv3d)
 CONVS = (*PLAIN_CONVS, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)

@@ -4,7 +4,8 @@ Their backward reads the saved input linearly once the statistics (mean, rstd) a
 the statistics nonlinearly: only the tensor of the input's shape is rounded (``other_bits``);
 the per-row or per-channel statistics are small and stay exact, the weight, bias and running
 statistics stay references. Large training-mode batch norms in float32/64 run
-:class:`~actune.lean_batch_norm.LeanBatchNorm` (two activation-sized tensors in backward, not three;
+:class:`~actune.substitutes.lean_batch_norm.LeanBatchNorm` (two activation-sized tensors in
+backward, not three;
 optionally writing over a convolution's output that nothing else reads).
 
 The bias this leaves is of order (rounding variance) / (elements reduced over): invisible at
@@ -16,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune import substitutes
-from actune.rules import register
+from actune import tunables
+from actune.packing.saved import check_double_backward, take
 from actune.rules.activations import compressible
-from actune.saved import check_double_backward, take
-from actune.substitutes import LeanBatchNorm, arg
+from actune.rules.registry import register
+from actune.substitutes.functions import LeanBatchNorm, arg
 
 _KEEPS = "input rounded at other bits; statistics exact"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -78,7 +79,8 @@ class SharedNorm(torch.autograd.Function):
     """Layer or RMS norm saving its normalised input ``x_hat``, rounded in groups along the
     tokens (one feature each), instead of its input: its backward reads ``x_hat`` (linearly,
     with ``rstd`` exact), and its output ``x_hat * weight + bias`` can be rebuilt from the same
-    copy by the matmul that reads it (:meth:`actune.hooks._Session.derive`), so the pair keeps
+    copy by the matmul that reads it (:meth:`actune.session.hooks.Session.derive`), so the pair
+    keeps
     one packed tensor where PyTorch keeps two. Under an allocator that slot counts twice in the
     budget: the same bytes as two 2-bit copies, spent on one."""
 
@@ -93,7 +95,7 @@ class SharedNorm(torch.autograd.Function):
         else:
             out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
             x_hat = (x - mean).mul_(rstd).to(x.dtype)
-        saved = session.pack_value(x_hat, shared_width(session.level), "norm",
+        saved = session.packer.pack_value(x_hat, shared_width(session.level), "norm",
                                    replaces=(x,), reads=False, by_feature=True)
         del x_hat
         held.append(saved)
@@ -161,7 +163,7 @@ def lean_batch_norm(s, func, args, kwargs, level):
         return None
     out = LeanBatchNorm.apply(*norm, s.pack_hook)
     if out is norm[0]:  # overwritten: a new value, in its own storage in PyTorch
-        s.forget(out)
+        s.accounting.forget(out)
     return out
 
 
@@ -170,7 +172,7 @@ def _lean_norm_args(s, args, kwargs) -> tuple | None:
     batch norm that :class:`LeanBatchNorm` should run, or None (PyTorch's own: small inputs,
     half precision, autocast)."""
     x = args[0]
-    if x.numel() < substitutes.LEAN_NUMEL:
+    if x.numel() < tunables.LEAN_NUMEL:
         return None
     weight, bias = arg(args, kwargs, 3, "weight", None), arg(args, kwargs, 4, "bias", None)
     momentum = arg(args, kwargs, 6, "momentum", 0.1)

@@ -5,7 +5,7 @@ Each keeps its derivative ``f'(x)`` rounded at ``other_bits`` and used linearly
 (``grad * f'(x)``: unbiased). The activations of ``torch.nn.functional`` compute it with
 PyTorch's own backward kernel from the input alone (:data:`CLOSED_FORMS`), packed before
 the output exists. Any other op gets the value and the derivative from one forward-mode pass
-(:func:`actune.substitutes.value_and_derivative`), so no op needs a formula written here:
+(:func:`actune.substitutes.functions.value_and_derivative`), so no op needs a formula written here:
 an op a user calls on the way (``torch.atan``, ``torch.expm1``) is kept so, instead of its
 exact input.
 
@@ -28,9 +28,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.rules import Rule, register
+from actune import tunables
 from actune.rules.activations import compressible
-from actune.substitutes import (
+from actune.rules.registry import Rule, register
+from actune.substitutes.functions import (
     PointwiseDerivative,
     SavedDerivative,
     elu_derivative,
@@ -132,8 +133,7 @@ register(CLOSED_FORMS, "activation", None,
 
 
 _GENERIC: dict[Callable, Rule | None] = {}
-#: distinct functions remembered (a bound on a cache keyed by function objects)
-_GENERIC_LIMIT = 4096
+
 _RULE = Rule("activation", None, derivative_rule, GENERIC_KEEPS)
 
 
@@ -147,7 +147,7 @@ def generic_rule(func: Callable) -> Rule | None:
     except TypeError:  # unhashable
         return None
     rule = _RULE if _saves_through_pointwise_op(func) else None
-    if len(_GENERIC) < _GENERIC_LIMIT:
+    if len(_GENERIC) < tunables.GENERIC_RULE_CACHE:
         _GENERIC[func] = rule
     return rule
 

@@ -10,9 +10,9 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.rules import register
-from actune.saved import check_double_backward, plain_saving
-from actune.substitutes import OffsetMaxPool, arg, as_tuple
+from actune.packing.saved import check_double_backward, plain_saving
+from actune.rules.registry import register
+from actune.substitutes.functions import OffsetMaxPool, arg, as_tuple
 
 _AVERAGES = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
              F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune import quant_graph as graph_ops
+from actune import tunables
+from actune.packing import graph_ops
 from actune.traced.pack import in_memory_order, memory_order, pack, restore_order, unpack
 
 __all__ = ["MaskedReLU", "PackedBatchNorm", "PackedConv", "graph_convolution", "pack_bits",
@@ -20,8 +21,8 @@ __all__ = ["MaskedReLU", "PackedBatchNorm", "PackedConv", "graph_convolution", "
 # A convolution's forward as an op Inductor does not look into, on the CPU. Seeing an
 # ``aten.convolution`` there, Inductor's layout optimization turns the whole graph
 # channels-last and returns a channels-last copy of every convolution's weight as a tensor
-# saved for backward (ResNet-18 at 32 x 32: 17 copies, 40 MiB at the step's peak, and
-# slower steps on the CPUs measured, docs/benchmarks.md). Behind this op the graph keeps
+# saved for backward, which raises the step's peak and slows it (docs/benchmarks.md,
+# "torch.compile"). Behind this op the graph keeps
 # the model's own layout, and a channels-last model stays channels-last.
 _LIB = torch.library.Library("actune", "FRAGMENT")
 _LIB.define("graph_convolution(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, "
@@ -62,7 +63,7 @@ def unpack_bits(bits: torch.Tensor, shape: torch.Size,
     # shift the readers fuse (a stack of eight shifted copies was eight buffers and a
     # concatenation a mask; eight slices of a byte each made channels-last readers slower)
     inner = shape if order is None else torch.Size(shape[d] for d in order)
-    if bits.device.type == "cpu" and graph_ops.USE_ON_CPU:
+    if bits.device.type == "cpu" and tunables.GRAPH_OPS_ON_CPU:
         q = graph_ops.graph_unpack_bits(bits, shape.numel())
     else:
         shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
@@ -81,7 +82,7 @@ class PackedConv(torch.autograd.Function):
         keep = ctx.needs_input_grad[1]
         ctx.save_for_backward(w, *(pack(in_memory_order(x, order), bits, group_size) if keep
                                    else ()))
-        if x.device.type == "cpu" and graph_ops.USE_ON_CPU:
+        if x.device.type == "cpu" and tunables.GRAPH_OPS_ON_CPU:
             return graph_convolution(x, w, b, stride, padding, dilation, groups)
         return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False,
                                           [0] * len(stride), groups)

@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.substitutes import softmax_shift
+from actune.substitutes.functions import softmax_shift
 from actune.traced.convolutions import pack_bits, unpack_bits
 from actune.traced.pack import (
     in_memory_order,
@@ -229,7 +229,8 @@ class PackedDerivative(torch.autograd.Function):
 
 class DerivativeCodes(torch.autograd.Function):
     """``f(x)`` for an elementwise ``f`` of :data:`DERIVATIVES`, keeping the index of the level
-    of ``codebook`` (:class:`actune.codebooks.Codebook`) nearest to ``f'(x)``. Codes and levels
+    of ``codebook`` (:class:`actune.packing.codebooks.Codebook`) nearest to ``f'(x)``. Codes and
+    levels
     are sums of comparisons, not a search and a gather: pointwise ops a compiler fuses with the
     derivative and the packing, with no index tensor in between."""
 
@@ -380,7 +381,7 @@ def carry_copy(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def shared_copy(t: torch.Tensor, bits: int, group_size: int) -> tuple:
     """The packed copy ``t`` carries at these bits (a traced softmax's output), or ``()``.
     In eager a softmax's first copy serves the product that reads its output; so it does
-    here: one pack and one unpack of the attention map fewer a layer (the built-in
-    transformer's compiled L3 step 0.87x -> 0.90x of compiled L0's speed, measured in pairs)."""
+    here: one pack and one unpack of the attention map fewer a layer (docs/benchmarks.md,
+    "torch.compile")."""
     kept = getattr(t, _SHARED, None)
     return kept[2] if kept is not None and kept[:2] == (bits, group_size) else ()

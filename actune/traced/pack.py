@@ -1,6 +1,7 @@
 """Per-group stochastic rounding written in torch ops, for compiled graphs.
 
-The quantization of the Numba kernels (:mod:`actune.quant`): ``group_size`` elements share a
+The quantization of the Numba kernels (:mod:`actune.packing.tensors`): ``group_size`` elements
+share a
 minimum and a step, each element is rounded up with probability equal to its fractional
 position between the two codes around it (unbiased), and ``8 // bits`` codes share a byte. The
 byte layout is this module's own. Written in torch ops so that Dynamo traces it and Inductor
@@ -19,7 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune import quant_graph as graph_ops
+from actune import tunables
+from actune.packing import graph_ops
 from actune_kernels.scalar import MASK32, MUL1, MUL2
 
 __all__ = ["Packed", "group_statistic", "in_memory_order", "join_codes", "memory_order", "pack",
@@ -91,8 +93,8 @@ def uniform(like: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor
     kept; ``actune_kernels.scalar.random24_u32``), with ``key`` (the same key, the same numbers:
     a dropout mask drawn again in backward) or a fresh one from the graph's generator
     (:func:`random_key`). In 32-bit integers, products wrapping and shifts masked to act as
-    unsigned: Inductor fuses and vectorises it, on the CPU 9.8x faster than ``rand_like``'s
-    Philox (4M elements: 1.8 against 17.3 ms). A backend that does not fuse (``aot_eager``)
+    unsigned: Inductor fuses and vectorises it, where ``rand_like``'s Philox is not
+    (docs/benchmarks.md, "torch.compile"). A backend that does not fuse (``aot_eager``)
     holds its integer temporaries, 8 bytes an element, while it runs."""
     wide = like.numel() >= 2**31
     itype = torch.int64 if wide else torch.int32
@@ -118,7 +120,7 @@ def _round(scaled: torch.Tensor, bits: int) -> torch.Tensor:
     byte along dim 1: a group of ``n`` values is ``8 // bits`` slices of ``n * bits // 8``,
     and byte ``j`` holds element ``j`` of each slice (slice ``i`` at bits ``i * bits``), so
     that packing and unpacking read and write whole rows, which Inductor vectorises (a byte
-    of neighbours made it gather: unpacking 1M values flat took 0.45 ms, now 0.13)."""
+    of neighbours made it gather)."""
     top = 2**bits - 1
     q = torch.floor(scaled + uniform(scaled)).clamp_(0, top).to(torch.uint8)
     return join_codes(q, bits)
@@ -171,11 +173,11 @@ def pack(x: torch.Tensor, bits: int, group_size: int = 256, by_feature: bool = F
          kernels: bool | None = None) -> Packed:
     """Round ``x`` stochastically to ``bits`` (1, 2, 4 or 8) per group; see :func:`unpack`.
     On the CPU (float32 and float64; by feature, features a multiple of 8) the Numba kernels
-    pack, as one opaque op (:mod:`actune.quant_graph`): ``step`` is then None and ``low``
+    pack, as one opaque op (:mod:`actune.packing.graph_ops`): ``step`` is then None and ``low``
     holds the groups' metadata words. ``kernels``: False for the torch ops everywhere (True
     where they cannot run raises)."""
     if kernels is None:
-        kernels = graph_ops.USE_ON_CPU and graph_ops.supported(x, by_feature)
+        kernels = tunables.GRAPH_OPS_ON_CPU and graph_ops.supported(x, by_feature)
     if kernels:
         codes, meta = graph_ops.graph_pack(x.detach(), bits, group_size, by_feature,
                                            random_key(x.device))

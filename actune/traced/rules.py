@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
-from actune.codebooks import gelu_codebook
 from actune.levels import Level
-from actune.multihead import decompose
-from actune.substitutes import arg
+from actune.packing.codebooks import gelu_codebook
+from actune.substitutes.functions import arg
+from actune.substitutes.multihead import decompose
 from actune.traced.attention import PackedAttention, PackedCrossEntropy, RedrawnDropout
 from actune.traced.convolutions import MaskedReLU, PackedBatchNorm, PackedConv
 from actune.traced.functions import (
@@ -295,7 +295,7 @@ def _attention(level, args, kwargs):
 @_register(F.multi_head_attention_forward)
 def _multihead(level, args, kwargs):
     """``nn.MultiheadAttention``'s usual path as its calls, each routed by a mode entered
-    again (:mod:`actune.multihead`); None elsewhere: PyTorch's own code."""
+    again (:mod:`actune.substitutes.multihead`); None elsewhere: PyTorch's own code."""
     with TracedMode(level):
         return decompose(args, kwargs)
 

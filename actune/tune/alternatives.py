@@ -25,10 +25,11 @@ import torch
 import torch.utils.checkpoint as checkpoint
 from torch import nn
 
-from actune.levels import L0, Level, parse_levels
-from actune.saved import offload_simulated
+from actune import Level, get_level, offload_simulated, parse_levels
 
 __all__ = ["MODIFIERS", "Config", "apply_checkpointing", "parse_configs", "repeated_blocks"]
+
+L0 = get_level("L0")
 
 #: Modifiers a configuration may add to a level ("L3+ckpt"), alone meaning L0 with it.
 MODIFIERS = ("ckpt", "offload", "lce")

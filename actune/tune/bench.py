@@ -15,10 +15,10 @@ from collections.abc import Callable
 import torch
 
 import actune
-from actune.precision import scaler as precision_scaler
-from actune.report import LevelResult, Report
+from actune.apps.precision import scaler as precision_scaler
 from actune.tune.alternatives import Config, get_config
 from actune.tune.probe import Trial, prepare
+from actune.tune.report import LevelResult, Report
 from actune.tune.run import (
     Settings,
     add_row,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import actune
+from actune import tunables
 from actune.memory.heap import allocation_peak
 from actune.tune.alternatives import Config
 from actune.tune.probe import Trial, prepare
@@ -26,11 +27,7 @@ from actune.tune.workload import Workload
 __all__ = ["Answer", "Calibration", "Point", "calibrate", "compiled_answer", "compiled_peak",
            "measure_point", "scaled"]
 
-#: The CPU steps stay within this: the larger calibration batch doubles towards the eager
-#: answer while its estimate does, and an answer beyond it is extrapolated, not checked.
-CPU_CAP = 2 * 2**30
-#: Searches on a corrected line after a checked answer did not fit.
-REFINE = 3
+
 
 
 @dataclass(frozen=True)
@@ -105,9 +102,9 @@ def compiled_peak(workload: Workload, config: Config, sizes: dict, batch: int,
 def measure_point(workload: Workload, config: Config, sizes: dict, batch: int,
                   backend: str = "inductor") -> Point | None:
     """A compiled step against the eager estimate (fake tensors, the CPU) at ``batch`` and
-    ``sizes``; None where the estimate passes :data:`CPU_CAP`."""
+    ``sizes``; None where the estimate passes :data:`tunables.COMPILED_CPU_CAP`."""
     est = Trial(workload, config, sizes, "estimate", "cpu").peak(batch)
-    if est.total > CPU_CAP:
+    if est.total > tunables.COMPILED_CPU_CAP:
         return None
     fixed = est.parameters + est.gradients + est.optimizer
     return Point(batch, est.total - fixed,
@@ -118,17 +115,17 @@ def calibrate(workload: Workload, config: Config, sizes: dict, batch: int,
               backend: str = "inductor", largest: int | None = None) -> Calibration:
     """The line through compiled steps at ``batch`` and at a larger batch: doubled while it
     stays within ``largest`` (the eager answer: the line is read near it) and its estimate
-    within :data:`CPU_CAP`."""
+    within :data:`tunables.COMPILED_CPU_CAP`."""
     trial = Trial(workload, config, sizes, "estimate", "cpu")
     second = batch * 2
     while (largest is None or second * 2 <= largest) \
-            and trial.peak(second * 2).total <= CPU_CAP:
+            and trial.peak(second * 2).total <= tunables.COMPILED_CPU_CAP:
         second *= 2
     low = measure_point(workload, config, sizes, batch, backend)
     high = measure_point(workload, config, sizes, second, backend)
     if low is None or high is None:
         raise ValueError(f"a compiled step at batch {batch} would pass the CPU's "
-                         f"{CPU_CAP / 2**30:g} GiB: nothing to measure")
+                         f"{tunables.COMPILED_CPU_CAP / 2**30:g} GiB: nothing to measure")
     return Calibration(low, high)
 
 
@@ -149,7 +146,8 @@ def scaled(probe: Callable[[int], Probe], calibration: Calibration,
 @dataclass(frozen=True)
 class Answer:
     """The compiled step's largest size, the line it was read off, and whether a compiled
-    step at that size was measured to fit (else extrapolated past :data:`CPU_CAP`)."""
+    step at that size was measured to fit (else extrapolated past
+    :data:`tunables.COMPILED_CPU_CAP`)."""
 
     value: int | None
     calibration: Calibration
@@ -163,9 +161,9 @@ def compiled_answer(probe: Callable[[int], Probe], calibration: Calibration, bud
     """The largest size whose compiled step fits ``budget``: the search of ``probe`` (an
     estimate) through :func:`scaled`, then a compiled step at the answer (``check``); where it
     does not fit, the line through the two largest measured points and the search again, at
-    most :data:`REFINE` times. An answer past the CPU's cap is not checked."""
+    most :data:`tunables.COMPILED_REFINE` times. An answer past the CPU's cap is not checked."""
     cal, measured = calibration, list(calibration.batches)
-    for _ in range(REFINE):
+    for _ in range(tunables.COMPILED_REFINE):
         value = largest_fitting(scaled(probe, cal, budget), start=start, step=step,
                                 maximum=maximum, budget=budget).value
         if value is None:

@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from actune import tunables
+
 __all__ = ["available_workers", "run_searches"]
 
-#: Seconds between checks that no child died without sending its row.
-_POLL_S = 1.0
+
 
 
 def available_workers() -> int:
@@ -75,7 +76,7 @@ def _forked(items: Sequence, search: Callable, on_probe: Callable | None,
                 running[i] = _start(ctx.Process(target=_child, daemon=True,
                                                 args=(messages, i, items[i], search)))
             try:
-                kind, i, payload = messages.get(timeout=_POLL_S)
+                kind, i, payload = messages.get(timeout=tunables.POLL_SECONDS)
                 if kind == "probe":
                     if on_probe is not None:
                         on_probe(items[i], payload)

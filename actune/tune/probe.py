@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import actune
+from actune import tunables
 from actune.memory import Peak, StepMeter
 from actune.memory.gpu_model import GpuModel
 from actune.memory.trace import note_empty_cache
@@ -26,12 +27,12 @@ from actune.tune.alternatives import Config, apply_checkpointing, get_config, re
 from actune.tune.oom import is_oom
 from actune.tune.search import Probe
 from actune.tune.sharding import Sharding, bucket_bytes, process_group, shard
-from actune.tune.workload import Workload, WorkloadError, first_line, from_source
+from actune.tune.sources import from_source
+from actune.tune.workload import Workload, WorkloadError, first_line
 
 __all__ = ["ProbeError", "Trial", "prepare", "warm_up"]
 
-#: Seconds one isolated GPU trial may take.
-TRIAL_TIMEOUT = 600
+
 
 
 class ProbeError(RuntimeError):
@@ -100,7 +101,7 @@ class Trial:
         else:
             meter.warm()
             _WARM[key] = (self.workload, meter.fake, meter.model, meter.opt)
-            while len(_WARM) > _WARM_KEEP:
+            while len(_WARM) > tunables.WARM_MODELS:
                 _WARM.popitem(last=False)
         return meter
 
@@ -144,7 +145,7 @@ class Trial:
 #: the model, its optimizer), shared by the trials of every configuration that builds the same
 #: model: the levels differ only in how a step runs, not in the model or its optimizer state.
 _WARM: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
-_WARM_KEEP = 4
+
 
 
 def _shared_key(trial: Trial) -> tuple | None:
@@ -187,10 +188,10 @@ def _isolated(trial: Trial, batch: int) -> Peak:  # pragma: no cover - needs a G
                        "sizes": trial.sizes, "batch": batch, "device": trial.device})
     try:
         done = subprocess.run([sys.executable, "-m", "actune.tune.probe", spec],
-                              capture_output=True, text=True, timeout=TRIAL_TIMEOUT,
+                              capture_output=True, text=True, timeout=tunables.TRIAL_TIMEOUT,
                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
     except subprocess.TimeoutExpired as err:
-        raise ProbeError(f"a trial at batch {batch} took over {TRIAL_TIMEOUT} s") from err
+        raise ProbeError(f"a trial at batch {batch} took over {tunables.TRIAL_TIMEOUT} s") from err
     if done.returncode == 3:
         raise ProbeError(f"out of memory at batch {batch}")
     if done.returncode != 0:

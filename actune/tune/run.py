@@ -1,7 +1,7 @@
 """The searching tuning jobs, maxbatch and scale, one level after another (bench, which
 times real steps, is :mod:`actune.tune.bench`); the helpers the jobs share for their rows.
 
-Each returns a :class:`actune.report.Report`; ``on_level`` is called after every finished level
+Each returns a :class:`actune.tune.report.Report`; ``on_level`` is called after every finished level
 (the CLI writes its JSON then, so finished levels are never lost) and ``on_probe`` after every
 trial (progress). Levels whose device cannot do what they add (offload on a CPU) are run and
 say so in their note.
@@ -16,14 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from actune import tunables
 from actune.memory import Budget
 from actune.memory.gpu_model import GpuModel
-from actune.report import LevelResult, Report
 from actune.tune.alternatives import Config, get_config
 from actune.tune.ceiling import parameter_bytes, parameter_state_ceiling
 from actune.tune.compiled import calibrate, compiled_answer, measure_point
 from actune.tune.parallel import available_workers, run_searches
 from actune.tune.probe import Trial, warm_up
+from actune.tune.report import LevelResult, Report
 from actune.tune.search import Probe, SearchResult, largest_fitting
 from actune.tune.selective import block_names, describe_whole, fewer_checkpoints
 from actune.tune.sharding import Sharding, per_rank_parameter_share, release
@@ -326,9 +327,7 @@ def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes
     return row
 
 
-#: Rounds of choosing the checkpointed blocks, each at the answer the last one reached (far
-#: below it, the optimizer step can hold the peak and hide what the blocks cost)
-_CHOICE_ROUNDS = 3
+
 
 
 def _choosing(workload: Workload, config: Config, settings: Settings, result: SearchResult,
@@ -337,10 +336,11 @@ def _choosing(workload: Workload, config: Config, settings: Settings, result: Se
               ) -> tuple[Config, SearchResult, list[Probe], int | None]:
     """With checkpointing: the blocks chosen (:func:`choose_blocks`) at ``result``'s answer,
     searched again from there (``search(config, begin)``) and chosen again at the new answer,
-    up to :data:`_CHOICE_ROUNDS` times. The configuration, the last search's result, every
+    up to :data:`tunables.CHECKPOINT_CHOICE_ROUNDS` times. The configuration, the last search's
+    result, every
     probe made, and how many blocks the model has (None: nothing chosen)."""
     probes, blocks = list(result.probes), None
-    for _ in range(_CHOICE_ROUNDS):
+    for _ in range(tunables.CHECKPOINT_CHOICE_ROUNDS):
         chosen, blocks = choose_blocks(workload, config, settings,
                                         result.value if result.complete else None, step_at)
         if chosen == config:

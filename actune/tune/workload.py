@@ -34,14 +34,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from actune import data, zoo
-from actune.data import Dataset
-from actune.precision import PRECISIONS, autocast, cast_model
-from actune.train import default_optimizer
+from actune.apps import data, zoo
+from actune.apps.data import Dataset
+from actune.apps.precision import PRECISIONS, autocast, cast_model
+from actune.apps.train import default_optimizer
 from actune.tune.oom import is_oom
 
 __all__ = ["DIMENSIONS", "PRECISIONS", "Workload", "WorkloadError", "builtin", "check_precision",
-           "first_line", "from_source", "load"]
+           "first_line", "load"]
 
 DIMENSIONS = ("depth", "width", "resolution")
 #: What ``scale --dim`` also accepts for a model that takes tokens: its resolution, named as
@@ -327,7 +327,7 @@ def first_line(err: BaseException) -> str:
 
 
 def builtin(name: str) -> Workload:
-    """A built-in model (``actune.zoo.MODELS``) as a workload."""
+    """A built-in model (``actune.apps.zoo.MODELS``) as a workload."""
     spec = zoo.MODELS.get(name.lower())
     if spec is None:
         raise WorkloadError(f"no built-in model {name!r}; choose one of "
@@ -388,13 +388,3 @@ def load(path: str | Path) -> Workload:
                     dims=dims, source=str(p.resolve()),
                     dataset_fn=getattr(module, "make_dataset", None),
                     blocks_fn=getattr(module, "checkpoint_blocks", None))
-
-
-def from_source(source: str) -> Workload:
-    """The workload a ``Workload.source`` string names."""
-    if source.startswith("hf:"):
-        from actune.tune.hf_workload import hf_workload
-
-        spec, _, cls = source[3:].partition("#")
-        return hf_workload(spec, cls or None)
-    return builtin(source[8:]) if source.startswith("builtin:") else load(source)

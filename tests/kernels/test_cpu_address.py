@@ -1,5 +1,6 @@
 """The kernels taken by address (:func:`cpu.pack_at`, :func:`cpu.unpack_at`, what
-:mod:`actune.quant` calls with tensors' addresses) and the array entry points around them."""
+:mod:`actune.packing.tensors` calls with tensors' addresses) and the array entry points around
+them."""
 
 import numpy as np
 import pytest

@@ -61,11 +61,21 @@ def check_rule(fn, make, dtype, exact_only=False, shape=(16, 64), tolerance=0.03
                kind: str | None = None):
     """A unary rule at 8 bits: close to PyTorch's gradient (``tolerance`` in float32); in
     float32 at 2 bits: rounded and unbiased (or, ``exact_only``, PyTorch's exactly). ``kind``:
-    what the rule keeps is counted under that kind, and nothing stays exact (the rule ran)."""
+    what the rule keeps is counted under that kind. Whatever ``kind``, a rule's kind is
+    counted and nothing large stays exact: the rule ran (gradients equal to PyTorch's alone
+    would also hold with no rule at all)."""
     x = make(torch.randn(shape, generator=torch.Generator().manual_seed(0))).to(dtype)
     x.requires_grad_()
+    stats = []
+    with actune.compressed(level(2), stats=stats.append):
+        fn(x)
+    kinds = stats[0].by_kind
+    # the rule ran: what it keeps is counted under a kind of its own, and what stays exact
+    # (a norm's statistics) is small beside the input
+    assert set(kinds) - {"exact"}, f"no rule's kind counted: {kinds}"
+    assert sum(stats[0].exact.values()) * 8 <= x.numel() * x.element_size(), stats[0].exact
     if kind is not None:
-        assert kept_kinds(fn, (x,), level(2)).get(kind, 0) > 0
+        assert kinds.get(kind, 0) > 0, f"{kind!r} not counted: {kinds}"
     (exact,) = exact_grads(fn, (x,))
     (eight,) = input_grads(fn, (x,), level(8), 1)
     tolerance = tolerance if dtype == torch.float32 else 0.08

@@ -144,8 +144,8 @@ def test_the_rebuilt_gelu_output_and_derivative_are_debiased():
     """GELU of a stochastically rounded input is biased by half the rounding variance times
     the second derivative (the derivative, by the third); the correction takes at least
     four fifths of that bias off, averaged over many draws."""
-    from actune.quant import dequantize, quantize
-    from actune.substitutes import _half_rounding_variance, gelu_function
+    from actune.packing.tensors import dequantize, quantize
+    from actune.substitutes.functions import _half_rounding_variance, gelu_function
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=gen) * 0.6 - 0.2

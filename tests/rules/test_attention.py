@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import actune
+from actune import tunables
 from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
 
 
@@ -80,7 +81,7 @@ def test_dropout_on_the_cpu_is_pytorchs_math_with_a_mask_drawn_again(case, slice
     import actune.rules.attention as rule
 
     if sliced:  # one sample's maps at a time, forward and backward
-        monkeypatch.setattr(rule, "MAP_SLICE", 4 * 32 * 32)
+        monkeypatch.setattr(tunables, "ATTENTION_MAP_SLICE", 4 * 32 * 32)
     inputs = qkv(kv_heads=2 if case == "gqa" else 4)
     kwargs = dict(CASES.get(case, {}), dropout_p=0.3)
     if case == "bias":
@@ -163,7 +164,7 @@ def test_dropout_under_autocast_is_the_math_op_with_the_seeded_mask(dtype, monke
     time); the forward is PyTorch's math op with that mask under the same autocast."""
     import actune.rules.attention as rule
 
-    monkeypatch.setattr(rule, "MAP_SLICE", 4 * 32 * 32)
+    monkeypatch.setattr(tunables, "ATTENTION_MAP_SLICE", 4 * 32 * 32)
     masks = []
     draw = rule.keep_mask
     monkeypatch.setattr(rule, "keep_mask", lambda *a: masks.append(draw(*a)) or masks[-1])

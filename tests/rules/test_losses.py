@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import actune
+from actune import tunables
 from actune.rules import losses
 from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
 
@@ -91,7 +92,7 @@ def test_log_softmax_then_nll_loss_is_unbiased():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_keeps_packed_probabilities_in_slices(dtype, monkeypatch):
-    monkeypatch.setattr(losses, "SLICE", 300 * 6)  # 6 rows a slice: 6 slices
+    monkeypatch.setattr(tunables, "LOSS_SLICE", 300 * 6)  # 6 rows a slice: 6 slices
     x = logits(dtype)
     st = []
     with actune.compressed("L3", stats=st.append):

@@ -82,14 +82,14 @@ def test_a_small_relu_is_pytorchs_own_with_its_output_packed_once_with_exact_zer
 
 def test_a_large_relu_and_one_under_an_allocator_run_packed_relu(monkeypatch):
     import actune
-    from actune import substitutes
+    from actune import tunables
 
     model, x = _conv_relu_conv(False), torch.randn(2, 3, 16, 16)
-    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 4096)  # the ReLU is large now
+    monkeypatch.setattr(tunables, "LEAN_NUMEL", 4096)  # the ReLU is large now
     with actune.compressed("u2"):
         y = model(x)
     assert "PackedReLUBackward" in _grad_fns(y)
-    monkeypatch.setattr(substitutes, "LEAN_NUMEL", 1 << 20)
+    monkeypatch.setattr(tunables, "LEAN_NUMEL", 1 << 20)
     ap = actune.AutoPrecision(2.0)
     with actune.compressed("L3", autoprec=ap):
         y = model(x)

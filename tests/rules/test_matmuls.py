@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import actune
-from actune import keeping
-from actune.hooks import feature_major
+from actune.session import packer as keeping
+from actune.session.hooks import feature_major
 from tests.rules.helpers import DTYPES, check_rule, level, shrinks_like_noise
 
 _W = torch.randn(64, 48, generator=torch.Generator().manual_seed(7)) / 8

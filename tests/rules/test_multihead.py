@@ -1,5 +1,5 @@
 """nn.MultiheadAttention under compressed(): its usual path computed as its calls
-(actune.multihead), each routed by its rule, in eager and in the traced rules."""
+(actune.substitutes.multihead), each routed by its rule, in eager and in the traced rules."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import actune
-from actune.multihead import decompose
+from actune.substitutes.multihead import decompose
 
 
 def _calls(module: nn.MultiheadAttention, *inputs, **kwargs):

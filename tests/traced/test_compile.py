@@ -15,7 +15,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import actune
-from actune import quant_graph, zoo
+from actune import tunables
+from actune.apps import zoo
 from actune.memory.heap import allocation_peak
 
 
@@ -114,7 +115,7 @@ def test_no_graph_break_few_compiles_and_a_lower_peak(name, form, backend, kerne
     """With the CPU's Numba packs (one op each) and with the torch ops Inductor fuses (a
     GPU's form; its random stream in integer arithmetic fused into the kernel that uses it,
     where ``aot_eager`` would run each op alone and hold its temporaries)."""
-    monkeypatch.setattr(quant_graph, "USE_ON_CPU", kernels)
+    monkeypatch.setattr(tunables, "GRAPH_OPS_ON_CPU", kernels)
     l0_peak, exact = _compiled_l0(name, backend)
     _, step, grads = _run(name, form, "L3", steps=4, backend=backend)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
@@ -221,7 +222,7 @@ def test_hugging_face_gpt2_compiles_to_one_graph_with_its_loss():
     """GPT2LMHeadModel's class name names no loss: its forward logs a warning on every call
     (a graph break between logits and loss, at any level). compress() names the loss it falls
     back to, and decompress() puts the model's own value back."""
-    from tests.test_transformers import IDS, gpt2
+    from tests.models.test_transformers import IDS, gpt2
 
     model = gpt2()
     assert model.loss_type is None

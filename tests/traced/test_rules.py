@@ -267,7 +267,9 @@ def test_bits_round_trip():
     assert order == (0, 2, 3, 1)
     back = unpack_bits(pack_bits(c), c.shape, order)
     assert torch.equal(back, c) and back.stride() == c.stride()
-    from actune import quant_graph  # (the CPU's opaque unpack: schema, fake, tracing)
+    from actune.packing import (
+        graph_ops as quant_graph,  # (the CPU's opaque unpack: schema, fake, tracing)
+    )
     torch.library.opcheck(quant_graph.graph_unpack_bits, (p, m.numel()))
 
 
@@ -337,7 +339,7 @@ def test_attention_dropout_replays_its_mask_in_backward(monkeypatch):
 def test_the_graph_ops_pass_opcheck(by_feature):
     """The Numba ops a compiled graph calls: schema, fake shapes against real ones, and
     tracing (``torch.library.opcheck``)."""
-    from actune import quant_graph
+    from actune.packing import graph_ops as quant_graph
 
     x = torch.randn(100, 24, dtype=torch.float64)
     key = torch.tensor(7)

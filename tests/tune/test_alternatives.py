@@ -8,7 +8,7 @@ import transformers  # in the test extra
 from torch import nn
 from typer.testing import CliRunner
 
-from actune import zoo
+from actune.apps import zoo
 from actune.cli import app
 from actune.levels import L0, L3, L4
 from actune.tune.alternatives import (

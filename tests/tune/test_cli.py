@@ -6,9 +6,9 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-from actune import zoo
+from actune.apps import zoo
 from actune.cli import app
-from actune.report import CPU_MEASURE_CAVEAT, ESTIMATE_CAVEAT
+from actune.tune.report import CPU_MEASURE_CAVEAT, ESTIMATE_CAVEAT
 
 runner = CliRunner()
 
@@ -174,7 +174,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_pa
 
 
 def test_a_json_write_that_fails_midway_is_an_error_not_a_traceback(tmp_path, monkeypatch):
-    from actune import report
+    from actune.tune import report
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -255,7 +255,7 @@ def test_train_side_by_side_with_the_allocation_and_json(tmp_path):
     assert "L0" in result.output and "1.25b" in result.output
     assert "bits per compressed tensor" in result.output  # the allocator's table
     data = json.loads(out.read_text())
-    assert data["schema"] == "actune.train/1"
+    assert data["schema"] == "actune.apps.train/1"
     rows = data["levels"]["1.25b"]["epochs"]
     assert [r["epoch"] for r in rows] == [1, 2]
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["test_accuracy"] > 0.8
@@ -322,7 +322,7 @@ def test_numerics_reports_bias_and_both_variances(tmp_path):
                  "--no-layers", "--json", str(out))
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert data["schema"] == "actune.numerics/1"
+    assert data["schema"] == "actune.apps.numerics/1"
     uniform, mixed = data["levels"]
     assert (uniform["level"], mixed["level"]) == ("u2", "L3")
     for r in (uniform, mixed):
@@ -371,8 +371,8 @@ def test_bench_at_max_names_the_fastest_configuration_that_fits(tmp_path):
 
 def test_progress_shows_the_trial_its_size_and_the_time_left():
     from actune.cli import tuning as cli
-    from actune.report import LevelResult, Report
     from actune.tune.alternatives import get_config
+    from actune.tune.report import LevelResult, Report
     from actune.tune.search import Probe
 
     progress = cli._progress(False)  # not started: its tasks are what it would show

@@ -8,9 +8,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from actune import tunables
 from actune.cli import app
 from actune.tune.hf_workload import hf_workload
-from actune.tune.workload import WorkloadError, from_source
+from actune.tune.sources import from_source
+from actune.tune.workload import WorkloadError
 
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()
@@ -244,12 +246,12 @@ def test_lora_on_a_model_without_linear_layers_says_so(tmp_path):
 def test_an_estimate_runs_one_slice_and_finds_the_peak_of_all(configs, monkeypatch):
     """Every slice of the attention's maps and every chunk of the loss allocates and frees
     the same: an estimate runs the first alone and finds the same peak."""
-    from actune import linear_loss
+    from actune.chunked_loss import linear_loss
     from actune.rules import attention
     from actune.tune import probe
 
-    monkeypatch.setattr(attention, "MAP_SLICE", 2 * 64 * 64)  # one sample's maps a slice
-    monkeypatch.setattr(linear_loss, "CHUNK_ELEMENTS", 64 * 256)  # 64 tokens a chunk
+    monkeypatch.setattr(tunables, "ATTENTION_MAP_SLICE", 2 * 64 * 64)  # one sample's maps a slice
+    monkeypatch.setattr(tunables, "CHUNK_ELEMENTS", 64 * 256)  # 64 tokens a chunk
     work = hf_workload(str(configs / "gpt2"))  # (attention dropout 0.1: the sliced path)
 
     def peak() -> int:

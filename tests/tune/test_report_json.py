@@ -5,7 +5,7 @@ import os
 import stat
 import threading
 
-from actune.report import write_json
+from actune.tune.report import write_json
 
 
 def test_a_new_file_gets_the_usual_permissions_and_a_replaced_one_keeps_its_own(tmp_path):
@@ -50,7 +50,7 @@ def test_a_pipe_is_written_in_place_not_replaced(tmp_path):
 def test_what_stays_exact_is_named_under_the_table():
     from rich.console import Console
 
-    from actune.report import LevelResult, Report, render
+    from actune.tune.report import LevelResult, Report, render
 
     report = Report("maxbatch", "m", "CPU", 2**30, "given", "estimate", "batch")
     report.levels = [LevelResult("L0", 8), LevelResult("L3", 64, kept_exact={
@@ -80,7 +80,7 @@ def test_the_default_bench_title_fits_80_columns_on_one_line():
     width), and where the budget comes from goes under the table."""
     from rich.console import Console
 
-    from actune.report import LevelResult, Report, render
+    from actune.tune.report import LevelResult, Report, render
 
     report = Report("bench", "resnet18", "CPU (x86_64)", 16 * 2**30,
                     "simulated 16 GiB device (no GPU found; set --budget)", "estimate", "batch",

@@ -1,0 +1,351 @@
+"""The function mode of :func:`actune.compressed`: it sees each functional call and routes it.
+
+A ``TorchFunctionMode`` sees every call of a function of ``torch``, ``torch.nn.functional`` or
+a tensor method (modules call them too). For a call that records gradients it looks the
+function up in the rule registry (:mod:`actune.rules`) once: the rule may run the op through
+an autograd function that saves less, and otherwise names which of the level's bit widths
+the saved-tensor hooks give what the op saves. It then records the op being run on the
+session, so the pack hook knows whose tensor it packs, and on statistics steps of the bit
+allocator tells it how rounding noise in what the op saved reaches parameter gradients.
+
+Saving that another mechanism owns (a checkpointed region, ``save_on_cpu``, whose
+saved-tensor hooks are above actune's) is left to it: the op runs as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch.overrides import TorchFunctionMode
+
+from actune.autoprec.allocator import AutoPrecision
+from actune.packing.kernels import compiling as _compiling
+from actune.rules import RULES, funcs_of
+from actune.rules.matmuls import CONVS, PLAIN_CONVS
+from actune.rules.pointwise import generic_rule
+from actune.substitutes.functions import arg, as_tuple
+from actune.traced import dispatch, traced
+
+__all__ = ["FunctionMode"]
+
+_MATMULS = funcs_of("matmul")
+_NORMS = funcs_of("norm")
+#: The innermost saved-tensor hooks (pack, unpack), or None.
+top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+_PLAIN = torch.Tensor
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """``isinstance(t, nn.Parameter)`` without the metaclass's check for a plain tensor (a
+    Python call that cost more than the rest of the pack hook): only a subclass can be one in
+    eager code."""
+    return type(t) is not _PLAIN and isinstance(t, torch.nn.Parameter)
+
+
+#: Tensor methods that read metadata and save nothing: run at once, not routed.
+_QUERIES = frozenset({torch.Tensor.dim, torch.Tensor.size, torch.Tensor.stride,
+                      torch.Tensor.numel, torch.Tensor.is_contiguous, torch.Tensor.element_size,
+                      torch.Tensor.is_floating_point, torch.Tensor.data_ptr,
+                      torch.Tensor.__len__, torch.Tensor.ndimension, torch.Tensor.nelement})
+
+
+def parameter_like(t: torch.Tensor) -> bool:
+    """A parameter, a view of one (a transposed weight) or its autocast copy."""
+    if t.is_leaf:  # (a parameter is a leaf: most saved tensors skip the slow isinstance)
+        if t.requires_grad or _is_parameter(t):
+            return True
+        # a frozen weight's transpose (a LoRA model's base layer) is a leaf view: rounding it
+        # would add noise to every input gradient below and save nothing
+        base = t._base
+        return base is not None and _is_parameter(base)
+    base = t._base
+    if base is not None:  # a view: of a weight (transposed) or of an autocast copy of one
+        if base.is_leaf:
+            return _is_parameter(base)
+        t = base
+    fn = t.grad_fn  # an autocast copy of a parameter: ToCopyBackward0 -> AccumulateGrad
+    if fn is not None and type(fn).__name__ == "ToCopyBackward0":  # (name() makes a string)
+        nxt = fn.next_functions
+        return len(nxt) == 1 and type(nxt[0][0]).__name__ == "AccumulateGrad"
+    return False
+
+
+def _needs_grad(args: tuple, kwargs: dict) -> bool:
+    """Does the call record gradients (grad mode on, a tensor argument that requires them)?"""
+    if not torch.is_grad_enabled():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                return True
+    return False
+
+
+class FunctionMode(TorchFunctionMode):
+    """Routes each call that records gradients through its rule (see the module docstring)."""
+
+    #: run a rule's replacement where it has one (:class:`LabelMode`: never)
+    substitutes = True
+
+    def __init__(self, session) -> None:
+        super().__init__()
+        self.s = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _QUERIES or not args or not _needs_grad(args, kwargs):
+            return func(*args, **kwargs)  # (a batch norm asks its input's dim() each call)
+        if traced():  # Dynamo traces this: the traced rules (torch.compiler.is_compiling:
+            # Dynamo guards on a read of torch's own flag and would compile again each call)
+            return dispatch(self.s.level, func, args, kwargs) if self.substitutes \
+                else func(*args, **kwargs)
+        if _compiling():  # (see _eagerly below)
+            return _eagerly(self, func, types, args, kwargs)
+        s = self.s
+        top = top_hooks(False)
+        if top is None or top[0] is not s.hook:  # a checkpointed region, save_on_cpu...
+            return func(*args, **kwargs)
+        if s.reentrant_level is not None:  # a reentrant checkpoint's output, maybe
+            s.reentrant_outputs(args)
+        ap = None if s.autoprec is None else s.allocator()
+        if ap is None or not ap.collecting:
+            out = self._run(func, args, kwargs)
+            if ap is not None and ap.tracking:
+                ap.track(_first_tensor(out))
+            return out
+        # a statistics step: the gradient of this op's output weighs the slots it reads
+        outer, s.packer.touched = s.packer.touched, []
+        try:
+            out = self._run(func, args, kwargs)
+        finally:
+            touched, s.packer.touched = s.packer.touched, outer
+        first = _first_tensor(out)
+        if first is not None and (touched or func in _MATMULS or func is F.embedding):
+            self._watch(ap, touched, first, func, args, kwargs)
+        if ap.tracking:
+            ap.track(first)
+        return out
+
+    def _run(self, func, args, kwargs):
+        s = self.s
+        rule = RULES.get(func)
+        if rule is None:  # (the generic rule's lookup: only for functions without their own)
+            rule = generic_rule(func)
+        previous = _label(s, func, rule, args, kwargs)
+        try:
+            if (self.substitutes and rule is not None and rule.replace is not None
+                    and not s.level.exact and isinstance(args[0], torch.Tensor)):
+                out = rule.replace(s, func, args, kwargs, s.level)
+                if out is not None:
+                    return out
+            return func(*args, **kwargs)
+        finally:
+            (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
+             s.frozen_shapes) = previous
+
+
+    def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
+               kwargs) -> None:
+        """Tell the allocator how rounding noise in what ``func`` saved reaches parameter
+        gradients (statistics steps only; device scalars, no synchronisation; derivation in
+        docs/autoprec.md). A matmul's input noise enters its own weight gradient, ``fan_in``
+        elements per output gradient element; the size of that weight gradient,
+        ``fan_in * mean(x**2) * |grad|**2``, is what noise relayed from above it perturbs. An
+        elementwise op's noise enters the gradient of its input and is relayed to every weight
+        gradient below it (a norm's noise relative to its input's spread, hence ``1 / var``)."""
+        x = _operand(func, args)
+        if func in _MATMULS:
+            fan = _fan_in(func, args, kwargs)
+            size = (x.detach().float().square().mean() * fan
+                    if isinstance(x, torch.Tensor) and x.is_floating_point() else None)
+            ap.watch(touched, out, fan, relayed=False, size=size)
+            self.s.last_matmul = (weakref.ref(out), func, args, kwargs)
+            return
+        if func is F.embedding:  # its weight gradient is the output gradient, scattered
+            ap.watch(touched, out, 1.0, relayed=False, size=torch.ones((), device=out.device))
+            return
+        if func in _NORMS and isinstance(x, torch.Tensor) and x.dim() >= 2:
+            dims = (0, *range(2, x.dim())) if func is F.batch_norm else (x.dim() - 1,)
+            scale = (x.detach().float().var(dim=dims) + 1e-5).reciprocal().mean()
+            weight = arg(args, kwargs, 3, "weight", None) if func is F.batch_norm else None
+            coherent = None
+            if isinstance(weight, torch.Tensor):
+                coherent = _coherent(self.s.last_matmul, x, weight, dims)
+            self.s.last_matmul = None  # holds the matmul's input: let it go
+            ap.watch(touched, out, scale, relayed=True,
+                     norm=(weight, dims, coherent) if isinstance(weight, torch.Tensor)
+                     else None, reach_all=func is F.batch_norm)
+            if isinstance(weight, torch.Tensor):  # and directly its own weight's gradient
+                ap.watch(touched, out, scale, relayed=False)
+            return
+        ap.watch(touched, out, 1.0, relayed=True, reach_all=False)
+
+
+def _label(s, func, rule, args, kwargs) -> tuple:
+    """Tell session ``s`` which op runs and how its rule keeps what it saves (the pack hook
+    reads it); returns what to restore after the call."""
+    previous = (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
+                s.frozen_shapes)
+    s.exact_ids = ()
+    # a frozen weight's autocast copy is no parameter, and rounding it would add noise to
+    # every input gradient below: the pack hook keeps it exact by its shape
+    s.frozen_shapes = frozenset(
+        a.shape for a in args if isinstance(a, torch.Tensor) and not a.requires_grad
+        and _is_parameter(a)) if rule is not None and rule.category == "matmul" else ()
+    only, refs = None, ()
+    if rule is not None and rule.only_input_shape and isinstance(args[0], torch.Tensor):
+        # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
+        # the tensor of the input's shape, may be rounded; its weight, bias and running
+        # statistics are references
+        only = args[0].shape
+        refs = set(map(id, (*args[1:], *kwargs.values())))  # (identities: all may stay)
+    s.kind, s.only_shape, s.references, s.op = (
+        rule.width if rule is not None else None, only, refs, func)
+    # features last: a norm's input, or a matmul's activation times a weight (not two
+    # activations, as attention's scores and probabilities are); or as the rule's test of
+    # the call says (a batch norm's [batch, features] input)
+    s.features = rule is not None and (
+        (rule.features_last and (
+            rule.category != "matmul"
+            or any(isinstance(a, torch.Tensor) and parameter_like(a) for a in args)))
+        or (rule.features_last_if is not None and rule.features_last_if(args)))
+    if (s.features and rule.category == "matmul" and s.level is not None
+            and _widens(s.level, func, args, kwargs)):
+        s.kind = NARROW
+    return previous
+
+
+class LabelMode(FunctionMode):
+    """Names each op for the session and runs it as it is, never substituted: for a
+    non-reentrant checkpoint's recomputation, whose saved tensors must be the ones PyTorch's
+    own ops save (the original forward's graph reads them), packed as each op's rule bits say
+    (:mod:`actune.session.recompute`; the session's ``hook`` is the recomputation's pack hook)."""
+
+    substitutes = False
+
+
+#: torch.compile cannot capture the routing (Python state, hooks): inside a compiled region
+#: every call under compressed() runs eagerly, so compression stays correct. Only a call that
+#: is being compiled takes this wrapper: eager code skips its cost (eight calls of its own).
+_eagerly = torch.compiler.disable(FunctionMode.__torch_function__, recursive=True)
+
+
+def _coherent(last, h: torch.Tensor, gamma: torch.Tensor, dims) -> torch.Tensor | None:
+    """Per channel ``gamma**2 * invstd**4 * |sum x_hat * x_patch|**2 / M**2`` for a batch norm
+    whose input ``h`` a convolution or linear layer just produced from ``x``: the factor by which
+    the channel's rounding noise, shared by all its elements through the mean in batch norm's
+    backward, reaches that layer's weight gradient coherently (docs/autoprec.md)."""
+    if last is None or last[0]() is not h or last[1] not in (*CONVS, F.linear):
+        return None
+    _, func, args, kwargs = last
+    x, w = args[0], arg(args, kwargs, 1, "weight", None)
+    if not isinstance(w, torch.Tensor) or (func in CONVS and func not in PLAIN_CONVS):
+        return None
+    with torch.no_grad():
+        hd = h.detach().float()
+        mean = hd.mean(dim=dims, keepdim=True)
+        invstd = (hd.var(dim=dims, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+        x_hat = (hd - mean) * invstd
+        xd = x.detach().float()
+        if func is F.linear:
+            a = x_hat.reshape(-1, x_hat.shape[-1]).t() @ xd.reshape(-1, xd.shape[-1])
+        else:
+            stride = arg(args, kwargs, 3, "stride", 1)
+            padding = arg(args, kwargs, 4, "padding", 0)
+            dilation = arg(args, kwargs, 5, "dilation", 1)
+            groups = arg(args, kwargs, 6, "groups", 1)
+            if isinstance(padding, str):
+                return None
+            n = w.dim() - 2
+            a = torch.ops.aten.convolution_backward(
+                x_hat, xd, w.detach().float(), None, as_tuple(stride, n), as_tuple(padding, n),
+                as_tuple(dilation, n), False, [0] * n, groups, [False, True, False])[1]
+        count = h.numel() // h.shape[1]
+        per_channel = a.reshape(a.shape[0], -1).square().sum(1)
+        return (gamma.detach().float().square() * invstd.reshape(-1) ** 4 * per_channel
+                / count**2)
+
+
+@functools.lru_cache(maxsize=256)
+def _inside_share(size: int, k: int, stride: int, pad: int, dilation: int) -> float:
+    """The share of a kernel's taps, over all output positions, that land inside the input."""
+    outputs = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+    if outputs <= 0:
+        return 1.0
+    inside = sum(0 <= o * stride - pad + j * dilation < size
+                 for o in range(outputs) for j in range(k))
+    return inside / (outputs * k)
+
+
+def _fan_in(func, args, kwargs) -> float:
+    """How many saved elements each output element of ``func`` reads per weight (the factor
+    by which rounding noise in its input reaches its weight gradient; 1 for elementwise ops)."""
+    if func in CONVS:
+        weight = arg(args, kwargs, 1, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return 1
+        fan = float(weight[0].numel())
+        x = args[0]
+        if func in PLAIN_CONVS and isinstance(x, torch.Tensor):
+            n = weight.dim() - 2
+            padding = arg(args, kwargs, 4, "padding", 0)
+            if not isinstance(padding, str):  # taps that fall on the padding read nothing
+                stride = as_tuple(arg(args, kwargs, 3, "stride", 1), n)
+                dilation = as_tuple(arg(args, kwargs, 5, "dilation", 1), n)
+                for size, k, st, p, d in zip(x.shape[-n:], weight.shape[2:], stride,
+                                             as_tuple(padding, n), dilation, strict=True):
+                    fan *= _inside_share(int(size), int(k), int(st), int(p), int(d))
+        return fan
+    x = _operand(func, args)
+    if func in _MATMULS and isinstance(x, torch.Tensor) and x.dim():
+        return int(x.shape[-1])
+    return 1
+
+
+#: Matmuls whose first argument is the term added (GPT-2's ``Conv1D`` is an ``addmm``): the
+#: activation is the second.
+_ADDED_FIRST = frozenset({torch.addmm, torch.baddbmm, torch.addbmm, torch.Tensor.addmm,
+                          torch.Tensor.baddbmm})
+
+
+def _operand(func, args):
+    """The activation a call reads first: its first argument, or the second for
+    ``addmm``-like calls (``bias + x @ w``)."""
+    return args[1] if func in _ADDED_FIRST and len(args) > 1 else args[0]
+
+
+#: The kind of a layer's input that keeps :attr:`Level.narrow_width`.
+NARROW = "narrow"
+
+
+def _widens(level, func, args, kwargs) -> bool:
+    """Does ``func`` (a matmul with a weight) widen its activation as
+    :meth:`Level.widens` says?"""
+    x = _operand(func, args)
+    if func is F.linear:
+        weight = arg(args, kwargs, 1, "weight", None)
+        out = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 0
+    else:
+        weight = args[2] if func in _ADDED_FIRST and len(args) > 2 else (
+            args[1] if len(args) > 1 else None)
+        out = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() >= 2 else 0
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and level.widens(x.shape[-1], out)
+
+
+def _first_tensor(out) -> torch.Tensor | None:
+    """``out`` if it is a tensor, else the first tensor of a tuple or list of outputs."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple | list):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return None
+
+
