@@ -28,9 +28,6 @@ KERNEL_DTYPES = (torch.float32, torch.float64)
 # Kernel dispatch: CPU through NumPy views, CUDA through __cuda_array_interface__.
 
 
-_new = object.__new__
-
-
 if hasattr(torch.compiler, "_compile_session_context"):  # torch holds the flag while compiling
     def compiling() -> bool:
         """``torch.compiler.is_compiling()`` in one call: read from the flag torch holds for a
