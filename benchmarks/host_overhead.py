@@ -17,6 +17,12 @@ printed (a noisy machine slows neighbouring steps alike), in this thread's CPU t
 torch's default thread count unless ``--threads`` sets one. The Python calls a step makes
 (a profile hook counts them) are printed too: a count the machine's noise does not move.
 
+``--model resnet50`` (batch 2 at 8x8: a batch norm needs two values a channel at 1x1) and
+``--model llama`` (a 4-layer Hugging Face Llama of width 64, ``--batch 1 --tokens 8``) give
+whole models' figures: the last one printed, L3's host time over plain PyTorch's, is the
+eager step's host cost where the arithmetic is a minor part (on this CPU the ResNet-50's
+weight gradients still are most of its step; on a GPU they are the device's work).
+
 ``--instructions`` counts instead the instructions each step executes, under Valgrind's
 callgrind (one process per step kind, on one thread: a thread pool's waiting would count;
 ``--steps`` steps counted after five): the same two differences, free of the machine's noise,
@@ -24,6 +30,8 @@ for comparing versions on a shared host (run the script with ``PYTHONPATH`` at a
 checkout for its figures; the kernels are stubbed in either).
 
     python benchmarks/host_overhead.py [--batch 8] [--resolution 8] [--rounds 60]
+    python benchmarks/host_overhead.py --model llama --batch 1 --tokens 8
+    python benchmarks/host_overhead.py --model resnet50 --batch 2
     python benchmarks/host_overhead.py --instructions [--steps 4]
 """
 
@@ -84,6 +92,32 @@ def python_calls(fn) -> int:
     return count
 
 
+def resnet_loss(depth: int, args: argparse.Namespace):
+    model = resnet(depth, num_classes=10)  # any input size
+    x = torch.randn(args.batch, 3, args.resolution, args.resolution)
+    y = torch.randint(0, 10, (args.batch,))
+    return model, lambda: F.cross_entropy(model(x), y)
+
+
+def llama_loss(args: argparse.Namespace):
+    """A 4-layer Hugging Face Llama (width 64) on ``--batch`` x ``--tokens`` tokens."""
+    try:
+        import transformers
+    except ImportError:
+        sys.exit("--model llama needs Hugging Face transformers: pip install 'actune[hf]'")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2))
+    ids = torch.randint(0, 256, (args.batch, args.tokens))
+    return model, lambda: model(input_ids=ids, labels=ids).loss
+
+
+#: --model -> (model, loss function) of the arguments.
+MODELS = {"resnet18": lambda args: resnet_loss(18, args),
+          "resnet50": lambda args: resnet_loss(50, args),
+          "llama": llama_loss}
+
+
 def make_step(args: argparse.Namespace, found: list):
     """The model and batch of ``args`` and a function running one step of them at a level
     (with a statistics sink appending to ``found`` if asked); returns its CPU time."""
@@ -91,14 +125,12 @@ def make_step(args: argparse.Namespace, found: list):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # the no-op kernels leave the unpacked values unset
-    model = resnet(18, num_classes=10)  # any input size
-    x = torch.randn(args.batch, 3, args.resolution, args.resolution)
-    y = torch.randint(0, 10, (args.batch,))
+    model, loss_of = MODELS[args.model](args)
 
     def step(level: str, stats: bool) -> float:
         t = CLOCK()
         with actune.compressed(level, stats=found.append if stats else None):
-            loss = F.cross_entropy(model(x), y)
+            loss = loss_of()
         loss.backward()
         model.zero_grad(set_to_none=True)
         return CLOCK() - t
@@ -114,21 +146,29 @@ def timed(args: argparse.Namespace) -> None:
     for _ in range(3):
         for run in runs:
             step(*run)
-    use, accounting = [], []
+    use, accounting, ratio, plain = [], [], [], []
     for _ in range(args.rounds):
         t = [step(*run) for run in runs]
         use.append(t[1] - t[0])
         accounting.append(t[3] - t[2])
+        ratio.append(t[1] / t[0])
+        plain.append(t[0])
     packed = max(found[-1].packed, 1)
     calls = {run: python_calls(lambda run=run: step(*run)) for run in runs[:2]}
-    print(f"resnet18 {args.resolution}x{args.resolution}, batch {args.batch}, "
+    print(f"{args.model} {_input(args)}, batch {args.batch}, "
           f"{torch.get_num_threads()} thread(s), {args.rounds} rounds: {packed} tensors packed "
           f"a step; host time per saved tensor {statistics.median(use) / packed * 1e6:.0f} us "
           f"(use: {args.level} against plain PyTorch), "
           f"{statistics.median(accounting) / packed * 1e6:.0f} us (accounting: both with "
           f"statistics); Python calls a step: plain {calls[runs[0]]:,}, {args.level} "
           f"{calls[runs[1]]:,} ({(calls[runs[1]] - calls[runs[0]]) / packed:.0f} a saved "
-          f"tensor)")
+          f"tensor); host time {args.level} / plain: {statistics.median(ratio):.2f}x "
+          f"({statistics.median(plain) * 1e3:.2f} ms a plain step)")
+
+
+def _input(args: argparse.Namespace) -> str:
+    return (f"{args.tokens} tokens" if args.model == "llama"
+            else f"{args.resolution}x{args.resolution}")
 
 
 def _callgrind(*command: str) -> None:
@@ -168,6 +208,7 @@ def counted(args: argparse.Namespace) -> None:
                      "--separate-threads=yes", f"--callgrind-out-file={out}.%p",
                      sys.executable, __file__, "--count-child", level, stats,
                      "--steps", str(args.steps), "--batch", str(args.batch),
+                     "--model", args.model, "--tokens", str(args.tokens),
                      "--resolution", str(args.resolution), "--threads", "1"],
                     env=env, capture_output=True, text=True, check=True)
                 packed = max(packed, int(done.stdout.split()[-1]))
@@ -177,7 +218,7 @@ def counted(args: argparse.Namespace) -> None:
                 counts[level, stats] = int(summary.split()[1]) / args.steps
     use = (counts[args.level, "0"] - counts["L0", "0"]) / packed
     accounting = (counts[args.level, "1"] - counts["L0", "1"]) / packed
-    print(f"resnet18 {args.resolution}x{args.resolution}, batch {args.batch}, 1 thread, "
+    print(f"{args.model} {_input(args)}, batch {args.batch}, 1 thread, "
           f"{args.steps} steps counted: {packed} tensors packed a step; instructions a step: "
           f"plain {counts['L0', '0'] / 1e6:.2f}M, {args.level} "
           f"{counts[args.level, '0'] / 1e6:.2f}M; per saved tensor {use / 1e3:.1f}k (use: "
@@ -187,8 +228,10 @@ def counted(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--resolution", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=8, help="tokens a sequence (llama)")
     parser.add_argument("--level", default="L3")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")

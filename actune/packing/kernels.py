@@ -115,7 +115,7 @@ def pack_flat(x: torch.Tensor, bits: int, group_size: int, seed: int, stochastic
         cuda_launch(lambda a, c, m, stream: kernels.pack(a, c, m, bits, group_size, seed, 0,
                                                            stochastic, zero_code, stream=stream),
                      src.reshape(-1), codes, meta)
-    else:
+    elif device.type != "meta":  # (the meta device: shapes and host work only, no values)
         raise NotImplementedError(f"actune has kernels for CPU and CUDA tensors, not {x.device}")
     return codes, meta
 
@@ -148,7 +148,7 @@ def unpack_flat(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: 
             cuda_launch(lambda c, m, o, stream: kernels.unpack(c, m, bits, group_size, o,
                                                                  zero_code, stream=stream),
                          codes, meta, out)
-        else:
+        elif codes.device.type != "meta":
             raise NotImplementedError(
                 f"actune has kernels for CPU and CUDA tensors, not {codes.device}")
     return out if work == dtype else out.to(dtype)

@@ -38,7 +38,7 @@ from actune.packing.random_masks import drawn_here, keep_mask
 from actune.packing.saved import check_double_backward, get_many, plain_saving, take
 from actune.rules.activations import compressible
 from actune.rules.registry import register
-from actune.substitutes.functions import arg
+from actune.substitutes.functions import arg, autocast_dtype
 from actune.substitutes.multihead import decompose
 
 _LABEL = "scaled_dot_product_attention q/k"
@@ -215,8 +215,7 @@ class RecomputedAttention(torch.autograd.Function):
         drawn = options[1] > 0 and drawn_here(q)
         ctx.seed = session.packer.draw_seed(q) if drawn else None
         ctx.rng = _rng_state(device) if options[1] > 0 and not drawn else None
-        ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
-                        torch.get_autocast_dtype(device.type))
+        ctx.autocast = (device.type, autocast_dtype(device.type))
         if not drawn:
             out = _sdpa(q, k, v, options, bias)
         elif bias is None:
@@ -268,8 +267,9 @@ def _rng_state(device: torch.device):
 @contextlib.contextmanager
 def _replayed(ctx):
     """The forward's autocast state and (with dropout) random state."""
-    device_type, enabled, dtype = ctx.autocast
-    autocast = torch.autocast(device_type, dtype=dtype, enabled=enabled)
+    device_type, dtype = ctx.autocast
+    autocast = (contextlib.nullcontext() if device_type == "meta"  # (no autocast there)
+                else torch.autocast(device_type, dtype=dtype, enabled=dtype is not None))
     if ctx.rng is None:
         with autocast:
             yield

@@ -21,7 +21,7 @@ from actune import tunables
 from actune.packing.saved import check_double_backward, take
 from actune.rules.activations import compressible
 from actune.rules.registry import register
-from actune.substitutes.functions import LeanBatchNorm, arg
+from actune.substitutes.functions import LeanBatchNorm, arg, autocast_dtype
 
 _KEEPS = "input rounded at other bits; statistics exact"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -52,7 +52,7 @@ def rms_norm(s, func, args, kwargs, level):
 
 def _shared(s, x, shape, weight, bias, eps, rms: bool, level):
     if (not compressible(x, level) or x.dtype not in _FLOATS or shape is None
-            or not isinstance(eps, float | int) or torch.is_autocast_enabled(x.device.type)
+            or not isinstance(eps, float | int) or autocast_dtype(x.device.type) is not None
             or any(t is not None and (not isinstance(t, torch.Tensor) or t.dtype != x.dtype)
                    for t in (weight, bias))):
         return None  # (under autocast the matmul saves its own cast copy: nothing to share)
@@ -178,7 +178,7 @@ def _lean_norm_args(s, args, kwargs) -> tuple | None:
     momentum = arg(args, kwargs, 6, "momentum", 0.1)
     if (not arg(args, kwargs, 5, "training", False) or x.dim() < 2
             or x.dtype not in (torch.float32, torch.float64)
-            or torch.is_autocast_enabled(x.device.type) or not isinstance(momentum, float | int)
+            or autocast_dtype(x.device.type) is not None or not isinstance(momentum, float | int)
             or any(t is not None and t.dtype != x.dtype for t in (weight, bias))):
         return None
     ap = s.allocator()

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
+from actune import tunables
 from actune.autoprec.allocator import AutoPrecision
 from actune.packing.kernels import compiling as _compiling
 from actune.rules import RULES, funcs_of
@@ -89,6 +90,31 @@ def _needs_grad(args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _rule_of(func):
+    """The rule of ``func``: its own, else the generic one if it applies, else None."""
+    rule = RULES.get(func)
+    return generic_rule(func) if rule is None else rule  # (generic: only where none is own)
+
+
+#: What a query (``_QUERIES``) routes to: run at once.
+_QUERY = object()
+#: function -> its rule, None or ``_QUERY``, for the eager path (bounded: a model calling
+#: ever new function objects, lambdas made per call, is looked up each time past it).
+_ROUTES: dict = {}
+
+
+def _route_of(func):
+    """What the eager path does with ``func``, remembered (unhashable callables: looked up)."""
+    try:
+        hash(func)
+    except TypeError:
+        return _rule_of(func)
+    route = _QUERY if func in _QUERIES else _rule_of(func)
+    if len(_ROUTES) < tunables.GENERIC_RULE_CACHE:
+        _ROUTES[func] = route
+    return route
+
+
 class FunctionMode(TorchFunctionMode):
     """Routes each call that records gradients through its rule (see the module docstring)."""
 
@@ -100,15 +126,47 @@ class FunctionMode(TorchFunctionMode):
         self.s = session
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():  # (the one check before the eager path: Dynamo
+            # reads it as a constant while it traces, and guards on nothing)
+            return self._compiling_call(func, types, args, kwargs)
+        try:
+            rule = _ROUTES[func]  # (eager: decided once per function)
+        except (KeyError, TypeError):
+            rule = _route_of(func)
+        s = self.s
+        if rule is None and s.autoprec is None and s.reentrant_level is None:
+            # most calls (views, additions, a model's own plumbing): what they save stays
+            # exact, so the labels say no rule, with no further test of the call
+            previous = (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
+                        s.frozen_shapes)
+            s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids, \
+                s.frozen_shapes = None, None, (), func, False, (), ()
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
+                 s.frozen_shapes) = previous
+        kwargs = kwargs or {}
+        if rule is _QUERY or not args or not _needs_grad(args, kwargs):
+            return func(*args, **kwargs)  # (a batch norm asks its input's dim() each call)
+        return self._routed(func, rule, args, kwargs)
+
+    def _compiling_call(self, func, types, args, kwargs):
+        """A call while torch.compile traces or compiles: the traced rules, or the eager
+        routing outside the graph (see ``_eagerly``)."""
         kwargs = kwargs or {}
         if func in _QUERIES or not args or not _needs_grad(args, kwargs):
-            return func(*args, **kwargs)  # (a batch norm asks its input's dim() each call)
+            return func(*args, **kwargs)
         if traced():  # Dynamo traces this: the traced rules (torch.compiler.is_compiling:
             # Dynamo guards on a read of torch's own flag and would compile again each call)
             return dispatch(self.s.level, func, args, kwargs) if self.substitutes \
                 else func(*args, **kwargs)
         if _compiling():  # (see _eagerly below)
             return _eagerly(self, func, types, args, kwargs)
+        return self._routed(func, _rule_of(func), args, kwargs)
+
+    def _routed(self, func, rule, args, kwargs):
+        """An eager call that records gradients, through ``rule`` (None: none applies)."""
         s = self.s
         top = top_hooks(False)
         if top is None or top[0] is not s.hook:  # a checkpointed region, save_on_cpu...
@@ -117,14 +175,14 @@ class FunctionMode(TorchFunctionMode):
             s.reentrant_outputs(args)
         ap = None if s.autoprec is None else s.allocator()
         if ap is None or not ap.collecting:
-            out = self._run(func, args, kwargs)
+            out = self._run(func, rule, args, kwargs)
             if ap is not None and ap.tracking:
                 ap.track(_first_tensor(out))
             return out
         # a statistics step: the gradient of this op's output weighs the slots it reads
         outer, s.packer.touched = s.packer.touched, []
         try:
-            out = self._run(func, args, kwargs)
+            out = self._run(func, rule, args, kwargs)
         finally:
             touched, s.packer.touched = s.packer.touched, outer
         first = _first_tensor(out)
@@ -134,11 +192,8 @@ class FunctionMode(TorchFunctionMode):
             ap.track(first)
         return out
 
-    def _run(self, func, args, kwargs):
+    def _run(self, func, rule, args, kwargs):
         s = self.s
-        rule = RULES.get(func)
-        if rule is None:  # (the generic rule's lookup: only for functions without their own)
-            rule = generic_rule(func)
         previous = _label(s, func, rule, args, kwargs)
         try:
             if (self.substitutes and rule is not None and rule.replace is not None

@@ -44,6 +44,7 @@ __all__ = [
     "TwoCopySoftmax",
     "arg",
     "as_tuple",
+    "autocast_dtype",
     "conv_args",
     "gelu_derivative",
     "gelu_function",
@@ -151,12 +152,21 @@ def conv_args(func, args, kwargs):
         or isinstance(padding, str) or x.dim() != weight.dim()):
         return None
     tensors = (x, weight, arg(args, kwargs, 2, "bias", None))
-    device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast as autocast casts a convolution's arguments
-        dtype = torch.get_autocast_dtype(device)
+    dtype = autocast_dtype(x.device.type)
+    if dtype is not None:  # cast as autocast casts a convolution's arguments
         tensors = tuple(t.to(dtype) if isinstance(t, torch.Tensor) else t for t in tensors)
     return (*tensors, arg(args, kwargs, 3, "stride", 1), padding,
             arg(args, kwargs, 5, "dilation", 1), arg(args, kwargs, 6, "groups", 1))
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts to on ``device_type`` now, None where it is off or the device
+    has no autocast (the meta device)."""
+    try:
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(
+            device_type) else None
+    except RuntimeError:  # (no autocast for this device type)
+        return None
 
 
 class PackedReLU(torch.autograd.Function):

@@ -9,15 +9,16 @@ imports their library.
 
 :func:`compress` converts such modules to counterparts that call the one op. Under
 :func:`actune.compressed` alone, :func:`fused_modules` does the same at run time: global
-module hooks run a listed module's own forward without recording gradients, and hand on the
-one op's output (recorded, under the rules) in its place. Its own forward's values are the
-same (a few elementwise ops, computed twice). On fake tensors too: the tuner's estimates run
-what a real step runs.
+each listed class's forward computes the one op instead of its chain while a block is open
+(the class's own forward otherwise). On fake tensors too: the tuner's estimates run what a
+real step runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -25,7 +26,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch.nn.modules import module as nn_module
 
 __all__ = ["FUSED", "Fused", "class_name", "fused_modules", "fused_of"]
 
@@ -94,82 +94,57 @@ def fused_of(cls: type) -> Callable | None:
 _local = threading.local()
 
 
-def _stack() -> list:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+def _fusing_forward(own: Callable, entry: Fused) -> Callable:
+    """A listed class's forward under :func:`fused_modules`: the one op where a block wants
+    it and it fits the call, else the class's own forward (``own``), as it was."""
+    @functools.wraps(own)
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return own(self, *args, **kwargs)  # (compiled: its own chain, under the traced rules)
+        when = getattr(_local, "when", None)
+        if (when is not None and len(args) == 1 and not kwargs
+                and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled()
+                and args[0].is_floating_point() and entry.fits(self, args[0]) and when()):
+            out = entry.run(self, args[0])
+            if out is not None:
+                return out
+        return own(self, *args, **kwargs)
 
-
-def _entry_of(cls: type) -> Fused | None:
-    """The :data:`FUSED` entry of exactly ``cls`` (converted classes run the op themselves),
-    looked up by name once per class: the hooks run at every module call, and the table is
-    filled at import."""
-    entry = _ENTRIES.get(cls, _UNSEEN)
-    if entry is _UNSEEN:
-        entry = _ENTRIES[cls] = FUSED.get(class_name(cls))
-    return entry
-
-
-_ENTRIES: dict[type, Fused | None] = {}
-_UNSEEN = object()
-
-
-def _pre_hook(module: nn.Module, args: tuple) -> None:
-    if torch.compiler.is_compiling():
-        return  # (compiled: the module's own chain, under the traced rules)
-    when = getattr(_local, "when", None)
-    if when is None:
-        return  # no compressed() open in this thread (another's installed the hooks)
-    entry = _ENTRIES.get(type(module), _UNSEEN)
-    if entry is _UNSEEN:
-        entry = _entry_of(type(module))
-    if entry is None:
-        return  # (most modules: nothing pushed, nothing for the post-hook to pop)
-    fn = None
-    if (len(args) == 1 and isinstance(args[0], torch.Tensor)
-            and torch.is_grad_enabled() and args[0].is_floating_point()
-            and entry.fits(module, args[0]) and when()):
-        fn = entry.run
-    _stack().append((module, fn))
-    if fn is not None:
-        torch.set_grad_enabled(False)  # the module's own chain: values only
-
-
-def _post_hook(module: nn.Module, args: tuple, output):
-    if torch.compiler.is_compiling() or getattr(_local, "when", None) is None:
-        return None
-    if _ENTRIES.get(type(module)) is None:
-        return None  # (no entry, or a class the pre-hook has not seen: nothing pushed)
-    stack = _stack()
-    if not stack or stack[-1][0] is not module:
-        return None  # (entered before the hooks were installed)
-    _, fn = stack.pop()
-    if fn is None:
-        return None
-    torch.set_grad_enabled(True)
-    if output is None:  # (the forward raised: hooks called always get no output)
-        return None
-    return fn(module, args[0])
+    forward.__actune_own_forward__ = own
+    return forward
 
 
 _lock = threading.Lock()
-_installed: list = []  # [pre handle, post handle] once any thread has needed them
+#: listed class -> its own forward, for the classes whose forward is :func:`_fusing_forward`'s
+_FUSING: dict[type, Callable] = {}
+_checked_at = [-1]  # len(sys.modules) at the last look for newly imported listed classes
+
+
+def _take_over_loaded_classes() -> None:
+    """Give each listed class imported so far the fusing forward (once; then kept)."""
+    if _checked_at[0] == len(sys.modules):
+        return  # (nothing imported since the last look: most block entries)
+    with _lock:
+        _checked_at[0] = len(sys.modules)
+        for name, entry in FUSED.items():
+            module_name, _, qualname = name.rpartition(".")
+            cls = getattr(sys.modules.get(module_name), qualname, None)
+            if isinstance(cls, type) and cls not in _FUSING and "forward" in cls.__dict__:
+                own = cls.__dict__["forward"]
+                _FUSING[cls] = own
+                cls.forward = _fusing_forward(own, entry)
 
 
 @contextlib.contextmanager
 def fused_modules(when: Callable[[], bool]) -> Iterator[None]:
     """While open, listed modules (:data:`FUSED`) called in this thread compute their one op
     in place of their chain, where ``when()`` says so at their call (not in a checkpointed
-    region, whose recomputation must save what its forward saved). Global module hooks,
-    installed once and then kept (a few attribute reads per module call where no block is
-    open): hooks added and removed around every step would make ``torch.compile`` guard on
-    new ones each time and compile the model again."""
-    with _lock:
-        if not _installed:
-            _installed.extend([nn_module.register_module_forward_pre_hook(_pre_hook),
-                               nn_module.register_module_forward_hook(_post_hook,
-                                                                      always_call=True)])
+    region, whose recomputation must save what its forward saved). Each listed class
+    imported by the time a block opens gets a forward that asks this first, and keeps it
+    (outside a block: one attribute read more a call): no module hook, so every other
+    module call keeps PyTorch's path, and nothing ``torch.compile`` guards on changes from
+    one step to the next."""
+    _take_over_loaded_classes()
     outer, _local.when = getattr(_local, "when", None), when
     try:
         yield

@@ -1,0 +1,75 @@
+"""The function mode's eager path: calls without a rule run at once, labelled as having none;
+and a compressed step reads no value back to the host (checked on the meta device, where any
+such read raises)."""
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import actune
+from actune.session import routing
+from actune.session.hooks import _session
+
+
+def test_a_call_without_a_rule_keeps_what_it_saves_exact_and_restores_the_labels():
+    stats = []
+    x = torch.randn(64, 64, requires_grad=True)
+    with actune.compressed("u2", stats=stats.append):
+        s = _session()
+        y = torch.cumprod(x, 1)  # no rule of its own, not pointwise: exact
+        assert routing._ROUTES[torch.cumprod] is None  # (decided once, then looked up)
+        assert s.op is None and s.kind is None  # labels as before the call
+        z = F.linear(y, torch.randn(64, 64))  # a rule's call after it still packs
+    (z.sum()).backward()
+    assert stats[0].exact.get("cumprod", 0) >= x.nbytes  # input and output kept as they are
+    assert stats[0].packed >= 1
+    g = torch.autograd.grad(torch.cumprod(x, 1).sum(), x)[0]
+    x.grad = None
+    with actune.compressed("u2"):
+        torch.cumprod(x, 1).sum().backward()
+    assert torch.equal(x.grad, g)  # exact: the same gradient as plain PyTorch
+
+
+def test_a_query_runs_at_once_and_a_rule_call_without_gradients_runs_as_it_is():
+    x = torch.randn(8, 16)
+    with actune.compressed("u2", stats=[].append):
+        assert x.dim() == 2 and routing._ROUTES[torch.Tensor.dim] is routing._QUERY
+        with torch.no_grad():
+            assert torch.equal(F.relu(x), x.clamp_min(0))
+
+
+def _meta_models():
+    import transformers
+
+    convnet = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                            nn.Conv2d(16, 16, 3, padding=1), nn.Hardswish(),
+                            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2))
+    return {"convnet": (convnet, lambda m: F.cross_entropy(
+                m(torch.randn(4, 3, 16, 16, device="meta")),
+                torch.zeros(4, dtype=torch.long, device="meta"))),
+            "llama": (llama, lambda m: m(input_ids=torch.zeros(2, 32, dtype=torch.long,
+                                                                device="meta"),
+                                         labels=torch.zeros(2, 32, dtype=torch.long,
+                                                            device="meta")).loss)}
+
+
+@pytest.mark.parametrize("level", ["L2", "L3", "u8"])
+def test_a_compressed_step_reads_no_value_back_on_the_meta_device(level):
+    # A meta tensor has no values: .item(), bool() or a copy to the host raises. A step that
+    # packs and unpacks through every rule it meets there takes no host read of a device value
+    # (what would make a GPU wait: the per-tensor path must never synchronise).
+    with pytest.raises(RuntimeError):
+        torch.ones(1, device="meta").item()
+    for name, (model, loss_of) in _meta_models().items():
+        model.to("meta").train()
+        stats = []
+        with actune.compressed(level, stats=stats.append):
+            loss = loss_of(model)
+        loss.backward()
+        assert stats[0].packed >= 3, name
+        assert all(p.grad is not None and p.grad.is_meta for p in model.parameters()
+                   if p.requires_grad), name
