@@ -31,21 +31,22 @@ __all__ = ["FUSED", "Fused", "class_name", "fused_modules", "fused_of"]
 
 
 def _eps(module: nn.Module) -> float | None:
-    return getattr(module, "variance_epsilon", getattr(module, "eps", None))
-
-
-def _rms_norm_fits(module: nn.Module, x: torch.Tensor) -> bool:
-    """Can ``F.rms_norm`` stand in (not where the dtypes differ, as under autocast)?"""
-    weight = getattr(module, "weight", None)
-    return isinstance(weight, torch.Tensor) and weight.dtype == x.dtype and _eps(module) is not None
+    """The module's epsilon: Hugging Face's ``variance_epsilon`` (a plain attribute, read
+    without a failed lookup: the module's ``__getattr__`` raises for a missing name), else
+    ``eps``."""
+    eps = module.__dict__.get("variance_epsilon")
+    return getattr(module, "eps", None) if eps is None else eps
 
 
 def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """Hugging Face's ``weight * rms_normalised(x)`` as one ``F.rms_norm`` (None where it does
-    not fit: the module's own code then runs)."""
-    if not _rms_norm_fits(module, x):
+    """Hugging Face's ``weight * rms_normalised(x)`` as one ``F.rms_norm``; None where it
+    does not fit (not where the dtypes differ, as under autocast): the module's own code then
+    runs."""
+    weight = module._parameters.get("weight")
+    eps = _eps(module)
+    if weight is None or weight.dtype != x.dtype or eps is None:
         return None
-    return F.rms_norm(x, (x.shape[-1],), module.weight, float(_eps(module)))
+    return F.rms_norm(x, (x.shape[-1],), weight, float(eps))
 
 
 def _tanh_gelu(_module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -53,12 +54,11 @@ def _tanh_gelu(_module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class Fused(NamedTuple):
-    """A listed class: what its one op keeps, the op (None where it does not fit), and
-    whether it fits a call (checked before the module's own code runs)."""
+    """A listed class: what its one op keeps, and the op (it returns None where it does not
+    fit the call: the module's own code then runs)."""
 
     keeps: str
     run: Callable[[nn.Module, torch.Tensor], torch.Tensor | None]
-    fits: Callable[[nn.Module, torch.Tensor], bool] = lambda _m, _x: True
 
 
 #: class name -> :class:`Fused`.
@@ -74,7 +74,7 @@ FUSED: dict[str, Fused] = {
     # weight * x * rsqrt(mean(x**2) + eps), statistics in float32 (not Gemma's 1 + weight)
     **{f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": Fused(
         "packed normalised input (other bits), shared with the matmul reading the output: "
-        "the inline RMSNorm computed as F.rms_norm", _rms_norm, _rms_norm_fits)
+        "the inline RMSNorm computed as F.rms_norm", _rms_norm)
        for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"),
                             ("qwen3", "Qwen3"), ("mixtral", "Mixtral"), ("phi3", "Phi3"))},
 }
@@ -104,7 +104,7 @@ def _fusing_forward(own: Callable, entry: Fused) -> Callable:
         when = getattr(_local, "when", None)
         if (when is not None and len(args) == 1 and not kwargs
                 and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled()
-                and args[0].is_floating_point() and entry.fits(self, args[0]) and when()):
+                and args[0].is_floating_point() and when()):
             out = entry.run(self, args[0])
             if out is not None:
                 return out
