@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["CATEGORIES", "RULES", "Rule", "describe", "funcs_of", "op_name", "register"]
+__all__ = ["CATEGORIES", "RULES", "Rule", "RuleTable", "describe", "funcs_of", "op_name",
+           "register"]
 
 #: The ops' categories, in the order docs list them.
 CATEGORIES = ("matmul", "norm", "mask", "pooling", "activation", "elementwise", "attention",
@@ -40,7 +41,57 @@ class Rule:
                              f"{self.width!r}")
 
 
-RULES: dict[Callable, Rule] = {}
+class RuleTable(dict):
+    """``func -> Rule``, calling each of its :attr:`listeners` after every change: caches of
+    lookups in it (the function mode's, decided once per function) forget what they held
+    when a rule is added or removed (a benchmark taking rules out to measure without them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listeners: list[Callable[[], None]] = []
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
+
+    def __setitem__(self, func, rule) -> None:
+        super().__setitem__(func, rule)
+        self._changed()
+
+    def __delitem__(self, func) -> None:
+        super().__delitem__(func)
+        self._changed()
+
+    def __ior__(self, other):
+        super().__ior__(other)
+        self._changed()
+        return self
+
+    def pop(self, *args):
+        out = super().pop(*args)
+        self._changed()
+        return out
+
+    def popitem(self):
+        out = super().popitem()
+        self._changed()
+        return out
+
+    def setdefault(self, func, rule=None):
+        out = super().setdefault(func, rule)
+        self._changed()
+        return out
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+
+RULES: RuleTable = RuleTable()
 
 
 def register(funcs: Iterable[Callable], category: str, width: str | None = None, keeps: str = "",

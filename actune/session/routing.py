@@ -24,9 +24,8 @@ from torch.overrides import TorchFunctionMode
 from actune import tunables
 from actune.autoprec.allocator import AutoPrecision
 from actune.packing.kernels import compiling as _compiling
-from actune.rules import RULES, funcs_of
+from actune.rules import RULES, funcs_of, rule_for
 from actune.rules.matmuls import CONVS, PLAIN_CONVS
-from actune.rules.pointwise import generic_rule
 from actune.substitutes.functions import arg, as_tuple
 from actune.traced import dispatch, traced
 
@@ -90,17 +89,12 @@ def _needs_grad(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _rule_of(func):
-    """The rule of ``func``: its own, else the generic one if it applies, else None."""
-    rule = RULES.get(func)
-    return generic_rule(func) if rule is None else rule  # (generic: only where none is own)
-
-
 #: What a query (``_QUERIES``) routes to: run at once.
 _QUERY = object()
 #: function -> its rule, None or ``_QUERY``, for the eager path (bounded: a model calling
 #: ever new function objects, lambdas made per call, is looked up each time past it).
 _ROUTES: dict = {}
+RULES.listeners.append(_ROUTES.clear)  # (a rule added or taken out: decided afresh)
 
 
 def _route_of(func):
@@ -108,8 +102,8 @@ def _route_of(func):
     try:
         hash(func)
     except TypeError:
-        return _rule_of(func)
-    route = _QUERY if func in _QUERIES else _rule_of(func)
+        return rule_for(func)
+    route = _QUERY if func in _QUERIES else rule_for(func)
     if len(_ROUTES) < tunables.GENERIC_RULE_CACHE:
         _ROUTES[func] = route
     return route
@@ -163,7 +157,7 @@ class FunctionMode(TorchFunctionMode):
                 else func(*args, **kwargs)
         if _compiling():  # (see _eagerly below)
             return _eagerly(self, func, types, args, kwargs)
-        return self._routed(func, _rule_of(func), args, kwargs)
+        return self._routed(func, rule_for(func), args, kwargs)
 
     def _routed(self, func, rule, args, kwargs):
         """An eager call that records gradients, through ``rule`` (None: none applies)."""

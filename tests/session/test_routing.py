@@ -73,3 +73,25 @@ def test_a_compressed_step_reads_no_value_back_on_the_meta_device(level):
         assert stats[0].packed >= 3, name
         assert all(p.grad is not None and p.grad.is_meta for p in model.parameters()
                    if p.requires_grad), name
+
+
+def test_a_rule_changed_after_a_call_applies_to_the_next():
+    from actune.rules import RULES, Rule
+
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def packed(func) -> int:
+        stats = []
+        with actune.compressed("u8", stats=stats.append):
+            func(x)
+        return stats[0].packed
+
+    assert packed(torch.sigmoid) == 1  # (its derivative: routed, then remembered)
+    own = RULES[torch.sigmoid]
+    RULES[torch.sigmoid] = Rule("activation", None)  # (a rule keeping what it saves exact)
+    try:
+        assert torch.sigmoid not in routing._ROUTES  # (forgotten at the change)
+        assert packed(torch.sigmoid) == 0
+    finally:
+        RULES[torch.sigmoid] = own
+    assert packed(torch.sigmoid) == 1
