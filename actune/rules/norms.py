@@ -96,7 +96,7 @@ class SharedNorm(torch.autograd.Function):
             out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
             x_hat = (x - mean).mul_(rstd).to(x.dtype)
         saved = session.packer.pack_value(x_hat, shared_width(session.level), "norm",
-                                   replaces=(x,), reads=False, by_feature=True)
+                                          replaces=(x,), reads=False, by_feature=True)
         del x_hat
         held.append(saved)
         ctx.x_hat, ctx.shape, ctx.rms = saved, shape, rms

@@ -11,7 +11,7 @@ __all__ = ["CATEGORIES", "RULES", "Rule", "RuleTable", "describe", "funcs_of", "
 
 #: The ops' categories, in the order docs list them.
 CATEGORIES = ("matmul", "norm", "mask", "pooling", "activation", "elementwise", "attention",
-            "loss")
+              "loss")
 
 
 @dataclass(frozen=True)

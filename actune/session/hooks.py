@@ -228,7 +228,7 @@ class Session:
             return self.packer.pack_allocated(t, self.kind, by_feature)
         zeros = self.kind == _ZEROS  # (accounted as PackedReLU's are)
         return self.packer.pack(t, bits, "relu" if zeros else _MATMUL if self.kind is NARROW
-                          else self.kind, by_feature=by_feature, zero_code=zeros)
+                                else self.kind, by_feature=by_feature, zero_code=zeros)
 
     def _compress_recomputation(self, saver: object, t: torch.Tensor) -> None:
         """A checkpointed region saves its input ``t``: compress what its recomputation

@@ -178,8 +178,7 @@ class PackedReLU(torch.autograd.Function):
     def forward(ctx, x, inplace, bits, session):
         y = torch.relu_(x) if inplace else torch.relu(x)
         ctx.y = session.packer.pack_value(y, bits, "relu", replaces=(y,), share_as=y,
-        zero_code=True,
-                                   dirty=inplace, reads=False)
+                                          zero_code=True, dirty=inplace, reads=False)
         if inplace:
             ctx.mark_dirty(x)
         return y
@@ -267,7 +266,7 @@ class CodedDerivative(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, derivative, codebook, session):
         ctx.d = session.packer.pack_codes(codebook.pack(derivative(x, None)), "derivative",
-                                   replaces=(x,))
+                                          replaces=(x,))
         return fn(x)
 
     @staticmethod
@@ -293,9 +292,9 @@ class SavedInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, f: SmoothFunction, bits, session, held):
         found: list = []  # (from the packed copy on its device, before an offload)
-        ctx.x = session.packer.pack_fixed(x, bits, "activation input", replaces=(x,),
-        by_feature=True,
-                                   observe=lambda p: found.append(_half_rounding_variance(p)))
+        ctx.x = session.packer.pack_fixed(
+            x, bits, "activation input", replaces=(x,), by_feature=True,
+            observe=lambda p: found.append(_half_rounding_variance(p)))
         ctx.f = f
         ctx.half_var = half_var = found[0]
         held.append((ctx.x, lambda v: f.debiased_value(v, half_var)))

@@ -227,8 +227,8 @@ def cross_entropy_in_chunks(x: LazyLogits, target, weight, ignore_index: int, re
             or target.is_floating_point() or target.shape != x.shape[:-1]):
         return None
     hidden, weight, bias = x.connected()
-    loss = _ABOVE["linear_cross_entropy"](hidden, weight, target, bias, ignore_index=ignore_index,
-                                reduction=reduction)
+    loss = _ABOVE["linear_cross_entropy"](hidden, weight, target, bias,
+                                          ignore_index=ignore_index, reduction=reduction)
     return loss.to(x.dtype)
 
 
