@@ -28,13 +28,24 @@ KERNEL_DTYPES = (torch.float32, torch.float64)
 # Kernel dispatch: CPU through NumPy views, CUDA through __cuda_array_interface__.
 
 
-if hasattr(torch.compiler, "_compile_session_context"):  # torch holds the flag while compiling
-    def compiling() -> bool:
-        """``torch.compiler.is_compiling()`` in one call: read from the flag torch holds for a
-        whole compile session, Dynamo's tracing included (outside TorchScript, the same)."""
-        return torch.compiler._is_compiling_flag
-else:
-    compiling = torch.compiler.is_compiling
+class _CompilingFlag:
+    """An older torch without a compile session's flag: its function answers."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return torch.compiler.is_compiling()
+
+
+#: ``COMPILE._is_compiling_flag``: ``torch.compiler.is_compiling()`` as an attribute read, from
+#: the flag torch holds for a whole compile session, Dynamo's tracing included (outside
+#: TorchScript, the same); the per-tensor paths read it with no call.
+COMPILE = (torch.compiler if hasattr(torch.compiler, "_compile_session_context")
+           else _CompilingFlag())
+
+
+def compiling() -> bool:
+    """Is torch compiling (:data:`COMPILE`)?"""
+    return COMPILE._is_compiling_flag
 
 
 def draw_seed() -> int:

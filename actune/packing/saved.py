@@ -85,21 +85,29 @@ class Saved:
     def __init__(self, packed: PackedTensor | PackedMask | PackedCodes | torch.Tensor,
                  offload: bool, prev: Saved | None = None) -> None:
         self.packed = packed
+        self.ready = self.fetch = self.prev = None
+        self.host = False  # (on the device: most values, with nothing more to find out)
+        self.device: torch.device | None = None  # (where an offloaded value comes back to)
+        if offload:
+            self._offload(packed, prev)
+        self.unpacked: weakref.ref | None = None
+        self.slot: int | None = None  # the allocator's slot, when bits were allocated
+        self.readers = 0  # backward nodes handed this value, less those that have read it
+        self.keep: torch.Tensor | None = None  # the dequantized value, for the next reader
+
+    def _offload(self, packed, prev: Saved | None) -> None:
+        """Keep ``packed`` in pinned host memory (a CUDA value; an estimate's simulated
+        offload: on the meta device), chained after ``prev`` for prefetching."""
         self.device = packed.device
-        simulate = offload and _SIMULATE_OFFLOAD.get()
-        self.host = offload and (packed.device.type == "cuda" or simulate)
+        simulate = _SIMULATE_OFFLOAD.get()
+        self.host = packed.device.type == "cuda" or simulate
         self.prev = prev if self.host and not simulate else None
-        self.ready = self.fetch = None
         if simulate:
             self.packed = _to_device(packed, torch.device("meta"), simulate=True)
         elif self.host:  # pinned host copies, copied asynchronously on the current stream
             self.packed = _to_device(packed, torch.device("cpu"), pin=True)
             self.ready = torch.cuda.Event()
             self.ready.record()
-        self.unpacked: weakref.ref | None = None
-        self.slot: int | None = None  # the allocator's slot, when bits were allocated
-        self.readers = 0  # backward nodes handed this value, less those that have read it
-        self.keep: torch.Tensor | None = None  # the dequantized value, for the next reader
 
     def prefetch(self) -> None:
         """Start copying the host buffers back to the device on a side stream."""

@@ -8,12 +8,15 @@ never the reverse.
 
 from __future__ import annotations
 
+from math import prod
+
 import torch
 
 from actune import tunables
 from actune.packing import columns
 from actune.packing.formats import PackedColumns, PackedTensor
 from actune.packing.kernels import (
+    COMPILE,
     KERNEL_DTYPES,
     compiling,
     fake_pack,
@@ -82,7 +85,7 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, seed: int,
             return columns.quantize_columns(x, bits, group_size, seed, stochastic, zero_code)
         # elsewhere a feature-major copy, dequantized in that layout
         x = columns.feature_major(x.detach())
-    if type(x) is torch.Tensor and x.is_contiguous() and not compiling():
+    if type(x) is torch.Tensor and x.is_contiguous() and not COMPILE._is_compiling_flag:
         # the common case, with no flat view to make
         codes, meta = pack_flat(x.detach(), bits, group_size, seed, stochastic, zero_code)
         p = _new(PackedTensor)  # (the frozen dataclass's own __init__ sets each field by a call)
@@ -118,9 +121,9 @@ def dequantize(p: PackedTensor) -> torch.Tensor:
 
 def _dequantize_flat(p: PackedTensor) -> torch.Tensor:
     codes = p.codes
-    if type(codes) is torch.Tensor and not compiling():  # the common case
+    if type(codes) is torch.Tensor and not COMPILE._is_compiling_flag:  # the common case
         dtype = p.dtype
-        n = p.numel()
+        n = prod(p.shape)
         if (codes.is_cpu and dtype in KERNEL_DTYPES and 0 < n * dtype.itemsize
                 < tunables.HUGE_OUTPUT_BYTES):
             out = torch.empty_strided(p.shape, p.stride, dtype=dtype)  # written in its layout

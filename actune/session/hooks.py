@@ -57,7 +57,14 @@ from actune.session.recompute import (
     compress_recomputation,
     compress_reentrant,
 )
-from actune.session.routing import NARROW, FunctionMode, parameter_like, top_hooks
+from actune.session.routing import (
+    NARROW,
+    OUTSIDE_OPS,
+    FunctionMode,
+    OpLabel,
+    parameter_like,
+    top_hooks,
+)
 from actune.substitutes import lazy_logits
 from actune.substitutes.fused import fused_modules
 
@@ -109,20 +116,12 @@ class Session:
         self.level: Level | None = None  # the innermost level (levels[-1]), None outside
         self.widths: dict[str | None, int | None] = {None: None}  # see _set_level
         self.holds = 0  # forward passes of compress()ed models that share one cache
-        self.kind: str | None = None  # the level's bit width the running op's rule names
-        self.op = None  # the function being run (None: outside any routed call)
+        # the op being run and what its rule says of what it saves (OUTSIDE_OPS: none)
+        self.label: OpLabel = OUTSIDE_OPS
         self.hook = self.pack_hook  # the object registered as the pack hook (who saves?)
         # tensors a later saver rebuilds from another's packed value (a layer norm's output
         # from its normalised input): storage key without shape -> (alive, version, Derived)
         self.derived: dict[tuple, list] = {}
-        self.only_shape: torch.Size | None = None  # a norm: only tensors of its input's shape
-        self.features = False  # the running op saves features-last tensors (feature_major)
-        # the ids of a norm's other arguments (its buffers): references
-        self.references: set[int] | tuple = ()
-        # the ids of what the running op keeps exact on purpose (a broadcast operand)
-        self.exact_ids: set[int] | tuple = ()
-        # the shapes of the frozen weights the running matmul reads (see pack_hook)
-        self.frozen_shapes: frozenset | tuple = ()
         self.last_matmul = None  # statistics steps: the last matmul call (output, func, args)
         # tensors a batch norm may write its result over, once (allow_overwrite)
         self.overwritable = WeakIdKeyDictionary()
@@ -130,6 +129,16 @@ class Session:
         # the level of a reentrant checkpoint whose forward ran in this pass (see
         # reentrant_outputs): its backward node is found among later ops' arguments
         self.reentrant_level: Level | None = None
+
+    @property
+    def op(self):
+        """The function being run (None: outside any routed call)."""
+        return self.label.op
+
+    @property
+    def kind(self) -> str | None:
+        """Which of the level's widths the running op's rule names (None: exact)."""
+        return self.label.kind
 
     def compressing(self) -> bool:
         """Does this session compress what is saved now (a compressing level, and its hooks
@@ -168,7 +177,8 @@ class Session:
         if new and self.accounting.sink is not None:
             small = t.numel() < self.level.min_numel
             if label is None and not small:
-                label = op_name(self.op) if self.op is not None else _OUTSIDE
+                op = self.label.op
+                label = op_name(op) if op is not None else _OUTSIDE
             self.accounting.kept_exact(t, new, label, small)
         return t
 
@@ -180,35 +190,37 @@ class Session:
         counting = self.accounting.counting
         if not counting and n < level.min_numel:
             return t  # kept as it is, and nothing counts it (most calls: statistics, buffers)
-        if parameter_like(t) or id(t) in self.references:
+        op = self.label  # (read once: the op being run and its rule's say)
+        if parameter_like(t) or id(t) in op.references:
             return t  # a parameter or a buffer (running statistics): costs nothing
         new = self.accounting.count(t) if counting else True
-        if self.frozen_shapes and _copy_of_frozen(t, self.frozen_shapes):
+        if op.frozen_shapes and _copy_of_frozen(t, op.frozen_shapes):
             # autocast's copy of a frozen weight (a LoRA model's base, bf16-mixed): backward
             # reads it for the input's gradient alone, which rounding would make noisy below
-            return self.keep(t, new, f"{op_name(self.op)} frozen weight (autocast copy)")
-        if (self.op is None and self.accounting.sink is not None
+            return self.keep(t, new, f"{op_name(op.op)} frozen weight (autocast copy)")
+        if (op.op is None and self.accounting.sink is not None
                 and self.accounting.compiled_save(t, new, level.group_size)):
             return t  # what a compiled graph packed (see _compiled_save)
-        if self.exact_ids and id(t) in self.exact_ids:
-            return self.keep(t, new, f"{op_name(self.op)} broadcast operand")
+        if op.exact_ids and id(t) in op.exact_ids:
+            return self.keep(t, new, f"{op_name(op.op)} broadcast operand")
         if t.dtype == torch.bool:
             # (a mask comes back contiguous: one saved outside any op in another layout, such
             # as a compiled graph's dropout mask of a transposed tensor, whose backward
             # asserts the layout it was saved in, is kept as it is)
-            elsewhere = self.op is None and not t.is_contiguous()
+            elsewhere = op.op is None and not t.is_contiguous()
             if level.masks and n >= level.min_numel and not elsewhere:
                 return self.packer.pack(t, None, "mask", lambda: pack_mask(t))
             return self.keep(t, new, f"{_OUTSIDE}: a mask in another layout" if elsewhere
                               else None)
-        bits = self.widths[self.kind]  # the level's bits for what this op saves (None: exact)
-        if self.derived and self.kind == _MATMUL and self.features and bits is not None:
+        kind = op.kind
+        bits = self.widths[kind]  # the level's bits for what this op saves (None: exact)
+        if self.derived and kind == _MATMUL and op.features and bits is not None:
             # a matmul with a weight: its backward reads this input for the weight's gradient
             # alone, so sharing the norm's rounding adds no product of one noise with itself
             derived = self._derived(t, bits, new)
             if derived is not None:
                 return derived
-        saver = checkpoint_saver() if bits is None and self.op is None else None
+        saver = checkpoint_saver() if bits is None and op.op is None else None
         if saver is not None:
             self._compress_recomputation(saver, t)
             bits = level.boundary_width  # the region is recomputed from these: nonlinear
@@ -217,18 +229,18 @@ class Session:
             return self.keep(t, new, _BOUNDARY)
         if bits is None or not t.is_floating_point() or n < level.min_numel:
             return self.keep(t, new)
-        if self.kind != _MATMUL and row_statistic(t):  # (a matmul's input of width 1: rank 1)
-            return self.keep(t, new, None if self.op is None
-                              else f"{op_name(self.op)} row statistic")
-        if self.only_shape is not None and t.shape != self.only_shape:
+        if kind != _MATMUL and row_statistic(t):  # (a matmul's input of width 1: rank 1)
+            return self.keep(t, new, None if op.op is None
+                              else f"{op_name(op.op)} row statistic")
+        if op.only_shape is not None and t.shape != op.only_shape:
             return self.keep(t, new)  # a norm's own statistics (mean, rstd): kept exact
         ap = None if self.autoprec is None else self.allocator()
-        by_feature = self.features and not (ap is not None and ap.splits_samples(t))
-        if ap is not None and self.kind is not NARROW:  # (a narrow input's width is fixed)
-            return self.packer.pack_allocated(t, self.kind, by_feature)
-        zeros = self.kind == _ZEROS  # (accounted as PackedReLU's are)
-        return self.packer.pack(t, bits, "relu" if zeros else _MATMUL if self.kind is NARROW
-                                else self.kind, by_feature=by_feature, zero_code=zeros)
+        by_feature = op.features and not (ap is not None and ap.splits_samples(t))
+        if ap is not None and kind is not NARROW:  # (a narrow input's width is fixed)
+            return self.packer.pack_allocated(t, kind, by_feature)
+        zeros = kind == _ZEROS  # (accounted as PackedReLU's are)
+        return self.packer.pack(t, bits, "relu" if zeros else _MATMUL if kind is NARROW
+                                else kind, by_feature=by_feature, zero_code=zeros)
 
     def _compress_recomputation(self, saver: object, t: torch.Tensor) -> None:
         """A checkpointed region saves its input ``t``: compress what its recomputation
@@ -263,11 +275,12 @@ class Session:
 
     def run_as(self, kind: str, func, args, kwargs):
         """Run ``func`` with its saved tensors packed at the level's ``kind`` bits."""
-        previous, self.kind = self.kind, kind
+        previous = self.label
+        self.label = previous.with_kind(kind)
         try:
             return func(*args, **kwargs)
         finally:
-            self.kind = previous
+            self.label = previous
 
     @staticmethod
     def unpack_hook(saved: object) -> torch.Tensor:

@@ -28,7 +28,8 @@ _ALLOCATED = "allocated"  # cache-key marker: bits chosen by the allocator
 
 class Packer:
     """Packs for one session: reads the session's ``level`` (the innermost level),
-    ``only_shape`` (a norm: only tensors of its input's shape are packed) and allocator, and
+    label's ``only_shape`` (a norm: only tensors of its input's shape are packed) and
+    allocator, and
     accounts what it keeps in the session's :class:`Accounting`."""
 
     def __init__(self, session, accounting: Accounting, cache: PackedCache) -> None:
@@ -45,7 +46,9 @@ class Packer:
 
     def _new(self, packed) -> Saved:
         """A saved value; offloaded ones are chained in packing order for prefetching."""
-        saved = Saved(packed, self.session.level.offload, self.last_offloaded)
+        if not self.session.level.offload:
+            return Saved(packed, False)
+        saved = Saved(packed, True, self.last_offloaded)
         if saved.ready is not None:
             self.last_offloaded = saved
         return saved
@@ -67,7 +70,7 @@ class Packer:
         if found is None:
             # an elementwise op's operand takes 2 bits at least, as a derivative does: at one
             # bit its noise is larger than the activation itself (a norm's input may take 1)
-            floor = 2 if kind == OTHER and self.session.only_shape is None else 1
+            floor = 2 if kind == OTHER and self.session.label.only_shape is None else 1
             packed, slot = self._quantize_planned(t, False, floor, by_feature)
             found = self._hold(self._new(packed), kind)
             found.slot = slot
@@ -98,20 +101,25 @@ class Packer:
         """The first of ``n`` seeds for the tensors packed next: one draw from torch's
         generator per context (``torch.manual_seed`` still makes a run repeatable), then
         consecutive seeds, as :func:`~actune.packing.batch.quantize_many` gives its calls."""
-        if self.seed is None:
-            self.seed = draw_seed()
         first = self.seed
+        if first is None:
+            first = draw_seed()
         self.seed = first + n
         return first
 
     def _quantize(self, t: torch.Tensor, bits: int, zero_code: bool = False,
                   by_feature: bool = False):
-        """:func:`~actune.packing.tensors.quantize` at the level's group size, seeded by
-        :meth:`_seeds`
-        (a fake tensor draws nothing: its values do not exist); ``by_feature``: each group one
-        feature's values (:mod:`actune.packing.columns`)."""
-        return quantize_checked(t, bits, self.session.level.group_size,
-                                self._seeds() if type(t) is torch.Tensor else -1,
+        """:func:`~actune.packing.tensors.quantize` at the level's group size, seeded as
+        :meth:`_seeds` says (inline: every packed tensor takes this path; a fake tensor draws
+        nothing, its values do not exist); ``by_feature``: each group one feature's values
+        (:mod:`actune.packing.columns`)."""
+        seed = -1
+        if type(t) is torch.Tensor:
+            seed = self.seed
+            if seed is None:
+                seed = draw_seed()
+            self.seed = seed + 1
+        return quantize_checked(t, bits, self.session.level.group_size, seed,
                                 zero_code=zero_code, by_feature=by_feature)
 
     def touch(self, slot: int | None, scale: torch.Tensor | None = None) -> None:
@@ -133,7 +141,9 @@ class Packer:
         saved = self._new(packed)
         saved.readers = 1
         self.cache.remember(key, t, saved)
-        return self._hold(saved, kind)
+        if self.accounting.counting:  # (_hold, inline: nothing to do on most steps)
+            self.accounting.held(saved.nbytes, kind)
+        return saved
 
     # -- packing for the substituted functions (not through the hooks) ---------------------
 

@@ -23,16 +23,20 @@ from torch.overrides import TorchFunctionMode
 
 from actune import tunables
 from actune.autoprec.allocator import AutoPrecision
+from actune.packing.kernels import COMPILE
 from actune.packing.kernels import compiling as _compiling
 from actune.rules import RULES, funcs_of, rule_for
 from actune.rules.matmuls import CONVS, PLAIN_CONVS
 from actune.substitutes.functions import arg, as_tuple
 from actune.traced import dispatch, traced
 
-__all__ = ["FunctionMode"]
+__all__ = ["OUTSIDE_OPS", "FunctionMode", "OpLabel"]
 
 _MATMULS = funcs_of("matmul")
 _NORMS = funcs_of("norm")
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+
 #: The innermost saved-tensor hooks (pack, unpack), or None.
 top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
@@ -89,21 +93,52 @@ def _needs_grad(args: tuple, kwargs: dict) -> bool:
     return False
 
 
+class OpLabel:
+    """What the op being run tells the pack hook about what it saves: the function, which of
+    the level's widths its rule names (``kind``), a norm's input shape (``only_shape``: only
+    tensors of that shape are rounded) and the ids of its references (weight, buffers), whether
+    it saves features-last tensors, the ids it keeps exact on purpose (a broadcast operand)
+    and the shapes of the frozen weights a matmul reads. One object a call, swapped in and
+    out whole: a call without a rule shares its function's own (:func:`no_rule_label`)."""
+
+    __slots__ = ("exact_ids", "features", "frozen_shapes", "kind", "only_shape", "op",
+                 "references")
+
+    def __init__(self, op=None, kind: str | None = None, only_shape: torch.Size | None = None,
+                 references: set[int] | tuple = (), features: bool = False,
+                 frozen_shapes: frozenset | tuple = ()) -> None:
+        self.op, self.kind, self.only_shape, self.references = op, kind, only_shape, references
+        self.features, self.frozen_shapes = features, frozen_shapes
+        self.exact_ids: set[int] | tuple = ()
+
+    def with_kind(self, kind: str | None) -> OpLabel:
+        """This label, but naming the level's ``kind`` width."""
+        label = OpLabel(self.op, kind, self.only_shape, self.references, self.features,
+                        self.frozen_shapes)
+        label.exact_ids = self.exact_ids
+        return label
+
+
+#: Outside any routed call.
+OUTSIDE_OPS = OpLabel()
+
+
 #: What a query (``_QUERIES``) routes to: run at once.
 _QUERY = object()
-#: function -> its rule, None or ``_QUERY``, for the eager path (bounded: a model calling
-#: ever new function objects, lambdas made per call, is looked up each time past it).
+#: function -> (its rule, None or ``_QUERY``; the label of a call without a rule), for the
+#: eager path (bounded: a model calling ever new function objects, lambdas made per call, is
+#: looked up each time past it).
 _ROUTES: dict = {}
 RULES.listeners.append(_ROUTES.clear)  # (a rule added or taken out: decided afresh)
 
 
-def _route_of(func):
+def _route_of(func) -> tuple:
     """What the eager path does with ``func``, remembered (unhashable callables: looked up)."""
     try:
         hash(func)
     except TypeError:
-        return rule_for(func)
-    route = _QUERY if func in _QUERIES else rule_for(func)
+        return rule_for(func), OpLabel(func)
+    route = (_QUERY if func in _QUERIES else rule_for(func), OpLabel(func))
     if len(_ROUTES) < tunables.GENERIC_RULE_CACHE:
         _ROUTES[func] = route
     return route
@@ -120,26 +155,24 @@ class FunctionMode(TorchFunctionMode):
         self.s = session
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():  # (the one check before the eager path: Dynamo
-            # reads it as a constant while it traces, and guards on nothing)
+        # (the one check before the eager path; Dynamo reads is_dynamo_compiling as a
+        # constant while it traces and guards on nothing; the flag, read only outside Dynamo,
+        # is torch's for the rest of a compile session)
+        if _dynamo_compiling() or COMPILE._is_compiling_flag:
             return self._compiling_call(func, types, args, kwargs)
         try:
-            rule = _ROUTES[func]  # (eager: decided once per function)
+            rule, label = _ROUTES[func]  # (eager: decided once per function)
         except (KeyError, TypeError):
-            rule = _route_of(func)
+            rule, label = _route_of(func)
         s = self.s
         if rule is None and s.autoprec is None and s.reentrant_level is None:
             # most calls (views, additions, a model's own plumbing): what they save stays
-            # exact, so the labels say no rule, with no further test of the call
-            previous = (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
-                        s.frozen_shapes)
-            s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids, \
-                s.frozen_shapes = None, None, (), func, False, (), ()
+            # exact, so the label says no rule, with no further test of the call
+            previous, s.label = s.label, label
             try:
                 return func(*args, **(kwargs or {}))
             finally:
-                (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
-                 s.frozen_shapes) = previous
+                s.label = previous
         kwargs = kwargs or {}
         if rule is _QUERY or not args or not _needs_grad(args, kwargs):
             return func(*args, **kwargs)  # (a batch norm asks its input's dim() each call)
@@ -188,7 +221,7 @@ class FunctionMode(TorchFunctionMode):
 
     def _run(self, func, rule, args, kwargs):
         s = self.s
-        previous = _label(s, func, rule, args, kwargs)
+        previous, s.label = s.label, _label(s, func, rule, args, kwargs)
         try:
             if (self.substitutes and rule is not None and rule.replace is not None
                     and not s.level.exact and isinstance(args[0], torch.Tensor)):
@@ -197,8 +230,7 @@ class FunctionMode(TorchFunctionMode):
                     return out
             return func(*args, **kwargs)
         finally:
-            (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
-             s.frozen_shapes) = previous
+            s.label = previous
 
 
     def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
@@ -238,38 +270,36 @@ class FunctionMode(TorchFunctionMode):
         ap.watch(touched, out, 1.0, relayed=True, reach_all=False)
 
 
-def _label(s, func, rule, args, kwargs) -> tuple:
-    """Tell session ``s`` which op runs and how its rule keeps what it saves (the pack hook
-    reads it); returns what to restore after the call."""
-    previous = (s.kind, s.only_shape, s.references, s.op, s.features, s.exact_ids,
-                s.frozen_shapes)
-    s.exact_ids = ()
+def _label(s, func, rule, args, kwargs) -> OpLabel:
+    """The label of a call of ``func`` through ``rule`` (None: no rule applies) for session
+    ``s``: which op runs and how its rule keeps what it saves (the pack hook reads it)."""
+    if rule is None:
+        return OpLabel(func)
     # a frozen weight's autocast copy is no parameter, and rounding it would add noise to
     # every input gradient below: the pack hook keeps it exact by its shape
-    s.frozen_shapes = frozenset(
+    frozen = frozenset(
         a.shape for a in args if isinstance(a, torch.Tensor) and not a.requires_grad
-        and _is_parameter(a)) if rule is not None and rule.category == "matmul" else ()
+        and _is_parameter(a)) if rule.category == "matmul" else ()
     only, refs = None, ()
-    if rule is not None and rule.only_input_shape and isinstance(args[0], torch.Tensor):
+    if rule.only_input_shape and isinstance(args[0], torch.Tensor):
         # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
         # the tensor of the input's shape, may be rounded; its weight, bias and running
         # statistics are references
         only = args[0].shape
         refs = set(map(id, (*args[1:], *kwargs.values())))  # (identities: all may stay)
-    s.kind, s.only_shape, s.references, s.op = (
-        rule.width if rule is not None else None, only, refs, func)
     # features last: a norm's input, or a matmul's activation times a weight (not two
     # activations, as attention's scores and probabilities are); or as the rule's test of
     # the call says (a batch norm's [batch, features] input)
-    s.features = rule is not None and (
+    features = bool(
         (rule.features_last and (
             rule.category != "matmul"
             or any(isinstance(a, torch.Tensor) and parameter_like(a) for a in args)))
         or (rule.features_last_if is not None and rule.features_last_if(args)))
-    if (s.features and rule.category == "matmul" and s.level is not None
+    kind = rule.width
+    if (features and rule.category == "matmul" and s.level is not None
             and _widens(s.level, func, args, kwargs)):
-        s.kind = NARROW
-    return previous
+        kind = NARROW
+    return OpLabel(func, kind, only, refs, features, frozen)
 
 
 class LabelMode(FunctionMode):

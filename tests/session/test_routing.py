@@ -18,8 +18,9 @@ def test_a_call_without_a_rule_keeps_what_it_saves_exact_and_restores_the_labels
     with actune.compressed("u2", stats=stats.append):
         s = _session()
         y = torch.cumprod(x, 1)  # no rule of its own, not pointwise: exact
-        assert routing._ROUTES[torch.cumprod] is None  # (decided once, then looked up)
-        assert s.op is None and s.kind is None  # labels as before the call
+        rule, label = routing._ROUTES[torch.cumprod]  # (decided once, then looked up)
+        assert rule is None and label.op is torch.cumprod and label.kind is None
+        assert s.label is routing.OUTSIDE_OPS  # the label as before the call
         z = F.linear(y, torch.randn(64, 64))  # a rule's call after it still packs
     (z.sum()).backward()
     assert stats[0].exact.get("cumprod", 0) >= x.nbytes  # input and output kept as they are
@@ -34,7 +35,7 @@ def test_a_call_without_a_rule_keeps_what_it_saves_exact_and_restores_the_labels
 def test_a_query_runs_at_once_and_a_rule_call_without_gradients_runs_as_it_is():
     x = torch.randn(8, 16)
     with actune.compressed("u2", stats=[].append):
-        assert x.dim() == 2 and routing._ROUTES[torch.Tensor.dim] is routing._QUERY
+        assert x.dim() == 2 and routing._ROUTES[torch.Tensor.dim][0] is routing._QUERY
         with torch.no_grad():
             assert torch.equal(F.relu(x), x.clamp_min(0))
 
