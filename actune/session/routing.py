@@ -275,11 +275,17 @@ def _label(s, func, rule, args, kwargs) -> OpLabel:
     ``s``: which op runs and how its rule keeps what it saves (the pack hook reads it)."""
     if rule is None:
         return OpLabel(func)
-    # a frozen weight's autocast copy is no parameter, and rounding it would add noise to
-    # every input gradient below: the pack hook keeps it exact by its shape
-    frozen = frozenset(
-        a.shape for a in args if isinstance(a, torch.Tensor) and not a.requires_grad
-        and _is_parameter(a)) if rule.category == "matmul" else ()
+    matmul = rule.category == "matmul"
+    frozen, with_weight = (), False
+    if matmul:  # (one pass over the arguments, no generators: every conv and linear call)
+        for a in args:
+            if isinstance(a, torch.Tensor) and parameter_like(a):
+                with_weight = True
+                if not a.requires_grad and _is_parameter(a):
+                    # a frozen weight's autocast copy is no parameter, and rounding it would
+                    # add noise to every input gradient below: the pack hook keeps it exact
+                    # by its shape
+                    frozen = frozenset((*frozen, a.shape))
     only, refs = None, ()
     if rule.only_input_shape and isinstance(args[0], torch.Tensor):
         # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
@@ -290,13 +296,10 @@ def _label(s, func, rule, args, kwargs) -> OpLabel:
     # features last: a norm's input, or a matmul's activation times a weight (not two
     # activations, as attention's scores and probabilities are); or as the rule's test of
     # the call says (a batch norm's [batch, features] input)
-    features = bool(
-        (rule.features_last and (
-            rule.category != "matmul"
-            or any(isinstance(a, torch.Tensor) and parameter_like(a) for a in args)))
-        or (rule.features_last_if is not None and rule.features_last_if(args)))
+    features = bool((rule.features_last and (not matmul or with_weight))
+                    or (rule.features_last_if is not None and rule.features_last_if(args)))
     kind = rule.width
-    if (features and rule.category == "matmul" and s.level is not None
+    if (features and matmul and s.level is not None
             and _widens(s.level, func, args, kwargs)):
         kind = NARROW
     return OpLabel(func, kind, only, refs, features, frozen)
