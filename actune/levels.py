@@ -16,7 +16,8 @@ from actune import tunables
 from actune.packing.codebooks import WIDTHS
 from actune_kernels import layout
 
-__all__ = ["LEVELS", "Level", "get_level", "mixed", "parse_levels", "uniform"]
+__all__ = ["LEVELS", "UNIFORM_GROUP_SIZES", "Level", "get_level", "mixed", "parse_levels",
+           "uniform"]
 
 
 
@@ -167,12 +168,21 @@ _AVERAGE = re.compile(r"^(\d+(?:\.\d+)?)\s*(?:b|bits?)?$", re.IGNORECASE)
 _UNIFORM = re.compile(r"^u(\d)$", re.IGNORECASE)
 
 
+#: A uniform level's groups where they differ from L3's. At 8 bits the codes outweigh their
+#: group's two 16-bit statistics: groups of 64 pay 1/16 of the codes' bytes for them, the
+#: share a 2-bit group of 256 pays, and each step is set by the extremes of 64 values, not
+#: 256 (less noise in every rounded tensor; docs/benchmarks.md, "Vision models"). Widths
+#: below 8 keep L3's groups, so a uniform level is the like-for-like baseline of a mixed one.
+UNIFORM_GROUP_SIZES = {8: 64}
+
+
 def uniform(bits: int) -> Level:
     """``bits`` for every compressed activation, no allocator (named ``"u2"``, ``"u4"``): the
     baseline that mixed precision at the same average is measured against."""
     layout.check_bits(bits)
     return L3.with_(name=f"u{bits}", matmul_bits=bits, other_bits=bits, avg_bits=None,
                     sensitive_bits=None, derivative_codes=None, gelu_input_bits=None,
+                    group_size=UNIFORM_GROUP_SIZES.get(bits, L3.group_size),
                     description=f"{bits} bits for every compressed activation, 1-bit masks")
 
 

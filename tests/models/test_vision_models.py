@@ -39,10 +39,10 @@ def mobilenet_v3_small():
     return model, lambda x, y: F.cross_entropy(model(x), y)
 
 
-#: model -> (its activation's rule kind, the largest 8-bit gradient error allowed: measured
-#: 1.2%, 4.3%, 0.5% and 1.6% at this size; docs/benchmarks.md, "Vision models")
-MODELS = {mobilenet_v2: ("mask", 0.02), levit: ("derivative", 0.06),
-          mobilevit: ("derivative", 0.01), mobilenet_v3_small: ("derivative", 0.025)}
+#: model -> (its activation's rule kind, the largest 8-bit gradient error allowed: about 1.5x
+#: what this size measures, docs/benchmarks.md, "Vision models")
+MODELS = {mobilenet_v2: ("mask", 0.014), levit: ("derivative", 0.04),
+          mobilevit: ("derivative", 0.007), mobilenet_v3_small: ("derivative", 0.016)}
 
 
 def _grads(model, loss_of, x, y, state, level, stats=None):
