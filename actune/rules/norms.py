@@ -30,7 +30,10 @@ _SHARED = ("normalised input rounded at other bits, in groups along its tokens, 
            "each; rstd exact; a matmul reading the output rebuilds it from that copy")
 
 
-@register((F.layer_norm,), "norm", "other", _SHARED, only_input_shape=True, features_last=True)
+# (torch's own spellings too: the same arguments in the same places, and a call of one runs
+# through the function mode without torch.nn.functional's Python dispatch)
+@register((F.layer_norm, torch.layer_norm), "norm", "other", _SHARED, only_input_shape=True,
+          features_last=True)
 def layer_norm(s, func, args, kwargs, level):
     """Layer norm keeping one rounded copy of its normalised input for its own backward and
     for the matmul that reads its output (:class:`SharedNorm`)."""
@@ -39,7 +42,8 @@ def layer_norm(s, func, args, kwargs, level):
                    arg(args, kwargs, 4, "eps", 1e-5), False, level)
 
 
-@register((F.rms_norm,), "norm", "other", _SHARED, only_input_shape=True, features_last=True)
+@register((F.rms_norm, torch.rms_norm), "norm", "other", _SHARED, only_input_shape=True,
+          features_last=True)
 def rms_norm(s, func, args, kwargs, level):
     """RMS norm, as :func:`layer_norm` (``eps=None``: the dtype's machine epsilon)."""
     x = args[0]

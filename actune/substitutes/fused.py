@@ -46,7 +46,9 @@ def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     eps = _eps(module)
     if weight is None or weight.dtype != x.dtype or eps is None:
         return None
-    return F.rms_norm(x, (x.shape[-1],), weight, float(eps))
+    # (torch's builtin: the function mode sees it with none of torch.nn.functional's Python
+    # dispatch around it; the rule is the same)
+    return torch.rms_norm(x, (x.shape[-1],), weight, float(eps))
 
 
 def _tanh_gelu(_module: nn.Module, x: torch.Tensor) -> torch.Tensor:

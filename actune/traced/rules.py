@@ -217,8 +217,8 @@ def _norm(rms: bool) -> Handler:
     return handler
 
 
-_register(F.layer_norm)(_norm(False))
-_register(F.rms_norm)(_norm(True))
+_register(F.layer_norm, torch.layer_norm)(_norm(False))
+_register(F.rms_norm, torch.rms_norm)(_norm(True))
 
 
 @_register(F.softmax, torch.softmax, torch.Tensor.softmax)
