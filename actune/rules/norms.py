@@ -145,7 +145,10 @@ def _rms_backward(grad, x_hat, rstd, weight, ndims: int, weight_grad: bool):
     return dx, dw
 
 
-register((F.group_norm, F.instance_norm), "norm", "other", _KEEPS, only_input_shape=True)(None)
+# (torch's own spellings too: the rule names no argument by place, and torch.batch_norm's
+# differ from F.batch_norm's, so it takes this rule, not the lean substitute's)
+register((F.group_norm, F.instance_norm, torch.group_norm, torch.instance_norm,
+          torch.batch_norm), "norm", "other", _KEEPS, only_input_shape=True)(None)
 
 
 def _features_last(args: tuple) -> bool:

@@ -22,6 +22,9 @@ OPS = {
     # torch's own spellings (what the inline RMSNorm runs as): the same rules
     "torch.layer_norm": lambda t: torch.layer_norm(t * 1.0, (64,)).square(),
     "torch.rms_norm": lambda t: torch.rms_norm(t * 1.0, (64,)).square(),
+    "torch.group_norm": lambda t: torch.group_norm(t.view(64, 8, 8) * 1.0, 2).square(),
+    "torch.batch_norm": lambda t: torch.batch_norm(t.view(16, 4, 8, 8) * 1.0, None, None, None,
+                                                   None, True, 0.1, 1e-5, False).square(),
     "group_norm": lambda t: F.group_norm(t.view(64, 8, 8) * 1.0, 2).square(),
     "batch_norm": lambda t: F.batch_norm(t.view(16, 4, 8, 8) * 1.0, None, None,
                                          training=True).square(),
