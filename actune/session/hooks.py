@@ -233,7 +233,9 @@ class Session:
             return self.keep(t, new, None if op.op is None
                               else f"{op_name(op.op)} row statistic")
         if op.only_shape is not None and t.shape != op.only_shape:
-            return self.keep(t, new)  # a norm's own statistics (mean, rstd): kept exact
+            # a norm's own statistics (mean, rstd): kept exact, and named so (not the norm's
+            # input, which the report would otherwise seem to say)
+            return self.keep(t, new, f"{op_name(op.op)} statistics")
         ap = None if self.autoprec is None else self.allocator()
         by_feature = op.features and not (ap is not None and ap.splits_samples(t))
         if ap is not None and kind is not NARROW:  # (a narrow input's width is fixed)

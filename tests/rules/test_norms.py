@@ -125,3 +125,17 @@ def test_a_batch_norm_of_features_groups_each_features_values():
     draws = input_grads(fn, (x, w, b), level(4), 4)
     assert relative_error(draws[0].mean(0), exact[0]) < 0.03
     assert relative_error(draws[1].mean(0), exact[1]) < 0.2
+
+
+def test_a_norms_large_statistics_stay_exact_and_are_named_as_statistics():
+    """A channels-last layer norm over few features (ConvNeXt's) has one mean and rstd a
+    position: over ``min_numel`` of them, kept exact (read nonlinearly) and reported as the
+    norm's statistics, not as if its input were exact."""
+    x = torch.randn(8, 16, 32, 32, requires_grad=True)
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        y = F.layer_norm((x * 1.0).permute(0, 2, 3, 1), (16,))
+    y.square().sum().backward()
+    rows = 8 * 32 * 32
+    assert stats[0].exact == {"layer_norm statistics": rows * 4}  # (rstd, float32)
+    assert stats[0].by_kind["norm"] > 0  # the normalised input: packed
