@@ -99,7 +99,8 @@ class OpLabel:
     tensors of that shape are rounded) and the ids of its references (weight, buffers), whether
     it saves features-last tensors, the ids it keeps exact on purpose (a broadcast operand)
     and the shapes of the frozen weights a matmul reads. One object a call, swapped in and
-    out whole: a call without a rule shares its function's own (:func:`no_rule_label`)."""
+    out whole: a call without a rule shares its function's own, made once (``_ROUTES``); a
+    rule's call gets a fresh one (:func:`_label`), which its rule may add ``exact_ids`` to."""
 
     __slots__ = ("exact_ids", "features", "frozen_shapes", "kind", "only_shape", "op",
                  "references")
