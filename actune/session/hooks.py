@@ -130,16 +130,6 @@ class Session:
         # reentrant_outputs): its backward node is found among later ops' arguments
         self.reentrant_level: Level | None = None
 
-    @property
-    def op(self):
-        """The function being run (None: outside any routed call)."""
-        return self.label.op
-
-    @property
-    def kind(self) -> str | None:
-        """Which of the level's widths the running op's rule names (None: exact)."""
-        return self.label.kind
-
     def compressing(self) -> bool:
         """Does this session compress what is saved now (a compressing level, and its hooks
         the ones saving, not checkpointing's or save_on_cpu's)?"""

@@ -23,13 +23,6 @@ def dropper(table: dict, key: tuple, at: int = 1) -> Callable[[weakref.ref], Non
     return drop
 
 
-class _KeyedRef(weakref.ref):
-    """A weak reference that knows its entry's key (one callback serves every entry: no
-    closure made per packed value)."""
-
-    __slots__ = ("key",)
-
-
 class PackedCache:
     """Packed values by :func:`~actune.session.accounting.storage_key`."""
 
@@ -51,15 +44,7 @@ class PackedCache:
         weakly, so that backward frees each packed value once its readers have run (not at
         the end of the context: a loop inside one ``compressed()`` would keep every step's),
         and the entry goes with it."""
-        ref = _KeyedRef(saved, self._drop)
-        ref.key = key
-        self.entries[key] = (weakref.ref(t), ref)
-
-    def _drop(self, ref: _KeyedRef) -> None:
-        """``ref``'s value is gone: its entry goes, unless a later one took the key."""
-        entry = self.entries.get(ref.key)
-        if entry is not None and entry[1] is ref:
-            del self.entries[ref.key]
+        self.entries[key] = (weakref.ref(t), weakref.ref(saved, dropper(self.entries, key)))
 
     def clear(self) -> None:
         self.entries.clear()

@@ -101,25 +101,19 @@ class Packer:
         """The first of ``n`` seeds for the tensors packed next: one draw from torch's
         generator per context (``torch.manual_seed`` still makes a run repeatable), then
         consecutive seeds, as :func:`~actune.packing.batch.quantize_many` gives its calls."""
+        if self.seed is None:
+            self.seed = draw_seed()
         first = self.seed
-        if first is None:
-            first = draw_seed()
         self.seed = first + n
         return first
 
     def _quantize(self, t: torch.Tensor, bits: int, zero_code: bool = False,
                   by_feature: bool = False):
-        """:func:`~actune.packing.tensors.quantize` at the level's group size, seeded as
-        :meth:`_seeds` says (inline: every packed tensor takes this path; a fake tensor draws
-        nothing, its values do not exist); ``by_feature``: each group one feature's values
-        (:mod:`actune.packing.columns`)."""
-        seed = -1
-        if type(t) is torch.Tensor:
-            seed = self.seed
-            if seed is None:
-                seed = draw_seed()
-            self.seed = seed + 1
-        return quantize_checked(t, bits, self.session.level.group_size, seed,
+        """:func:`~actune.packing.tensors.quantize` at the level's group size, seeded by
+        :meth:`_seeds` (a fake tensor draws nothing: its values do not exist); ``by_feature``:
+        each group one feature's values (:mod:`actune.packing.columns`)."""
+        return quantize_checked(t, bits, self.session.level.group_size,
+                                self._seeds() if type(t) is torch.Tensor else -1,
                                 zero_code=zero_code, by_feature=by_feature)
 
     def touch(self, slot: int | None, scale: torch.Tensor | None = None) -> None:
@@ -141,9 +135,7 @@ class Packer:
         saved = self._new(packed)
         saved.readers = 1
         self.cache.remember(key, t, saved)
-        if self.accounting.counting:  # (_hold, inline: nothing to do on most steps)
-            self.accounting.held(saved.nbytes, kind)
-        return saved
+        return self._hold(saved, kind)
 
     # -- packing for the substituted functions (not through the hooks) ---------------------
 
