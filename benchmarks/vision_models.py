@@ -12,8 +12,17 @@ everywhere) against exact, measured in one run. ``--without-pointwise`` removes 
 added for the pointwise activations (hardswish, hardsigmoid, the generic derivative rule) to
 show the same table as before they existed.
 
+``--floor 8,10`` adds a control independent of actune's rules: every floating tensor autograd
+saves (parameters aside) rounded stochastically in groups of 64 consecutive values at each
+width, written in plain torch ops under ``torch.autograd.graph.saved_tensors_hooks``, with
+only the inputs of the piecewise-linear activations kept exact (a rounded input next to a kink
+of hardswish or relu6 flips its derivative: a jump of 0.5 or 1 where rounding should move
+it by a step). What that costs a model is the floor of per-group rounding at that width:
+rules that beat it add no error of their own, and a model far above 1% at 8 bits is sensitive
+to any 8-bit rounding of its activations.
+
     python benchmarks/vision_models.py [--level L3] [--batch 8] [--without-pointwise]
-        [--widths u8,u4] [--seeds 3] [--models levit]
+        [--widths u8,u4] [--seeds 3] [--models levit] [--floor 8,10]
 """
 
 from __future__ import annotations
@@ -101,6 +110,68 @@ def measure(module, loss_fn, size: int, batch: int, level: str, widths=("u8",),
             "exact": s.describe_exact() if s.exact else "nothing", "errors": errors}
 
 
+#: Piecewise-linear activations whose input the rounding floor keeps exact (see the docstring).
+_KINKED = frozenset({F.hardswish, F.hardsigmoid, F.relu6, F.hardtanh, F.relu, F.leaky_relu,
+                     torch.relu, torch.Tensor.relu})
+
+
+def _round_groups(t: torch.Tensor, bits: int, group: int = 64) -> torch.Tensor:
+    """``t`` rounded stochastically onto ``2**bits`` levels between each group's extremes."""
+    flat = t.detach().reshape(-1).float()
+    n = flat.numel()
+    x = torch.cat([flat, flat[-1:].expand(-n % group)]).view(-1, group)
+    lo = x.amin(1, keepdim=True)
+    step = (x.amax(1, keepdim=True) - lo).clamp_min(1e-30) / (2**bits - 1)
+    codes = torch.floor((x - lo) / step + torch.rand_like(x))
+    return (lo + codes * step).reshape(-1)[:n].view_as(t).to(t.dtype)
+
+
+class _CurrentFunction(torch.overrides.TorchFunctionMode):
+    """Names the function whose call is running (the floor's hook asks if it is kinked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.func = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        outer, self.func = self.func, func
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.func = outer
+
+
+def rounding_floor(module, loss_fn, size: int, batch: int, bits: int, seeds: int) -> list[float]:
+    """The relative gradient error of the per-group rounding floor at ``bits`` (docstring)."""
+    module.train()
+    gen = torch.Generator().manual_seed(2)  # (the batch ``measure`` uses)
+    pixels = torch.randn(batch, 3, size, size, generator=gen)
+    labels = torch.randint(0, 10, (batch,), generator=gen)
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    current = _CurrentFunction()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if (not t.is_floating_point() or t.numel() < 64 or current.func in _KINKED
+                or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            return t
+        return _round_groups(t, bits)
+
+    def run(hooks: bool, seed: int = 1) -> torch.Tensor:
+        module.load_state_dict(state)
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with contextlib.ExitStack() as stack:
+            if hooks:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+                stack.enter_context(current)
+            loss = loss_fn(pixels, labels)
+        loss.backward()
+        return torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None])
+
+    exact = run(False)
+    return [((run(True, 1 + k) - exact).norm() / exact.norm()).item() for k in range(seeds)]
+
+
 def _errors(values: list[float]) -> str:
     mean = sum(values) / len(values)
     if len(values) == 1:
@@ -139,14 +210,19 @@ def main() -> None:
                         help="uniform levels whose gradient error is measured (u8,u4: their "
                              "ratio is 17x where the error is rounding noise alone)")
     parser.add_argument("--seeds", type=int, default=1, help="rounding seeds per width")
+    parser.add_argument("--floor", default="",
+                        help="widths of the per-group rounding floor to measure as a control "
+                             "(8,10: see the docstring)")
     parser.add_argument("--models", default=None,
                         help="comma-separated words the models' names must contain")
     args = parser.parse_args()
     widths = tuple(args.widths.split(","))
+    floors = tuple(int(b) for b in args.floor.split(",") if b)
     table = Table(title=f"{args.level}, batch {args.batch} x 3 x {args.size}^2, training step"
                   + (" (pointwise rules removed)" if args.without_pointwise else ""))
     for col in ("model", "saved MiB", "kept MiB", "ratio",
-                *(f"{w} grad error" for w in widths), "kept exact"):
+                *(f"{w} grad error" for w in widths),
+                *(f"{b}-bit floor" for b in floors), "kept exact"):
         table.add_column(col, justify="left" if col in ("model", "kept exact") else "right")
     wanted = None if args.models is None else args.models.lower().split(",")
     with without_pointwise() if args.without_pointwise else contextlib.nullcontext():
@@ -156,6 +232,8 @@ def main() -> None:
             r = measure(module, loss_fn, size, args.batch, args.level, widths, args.seeds)
             table.add_row(name, f"{r['saved'] / MIB:.1f}", f"{r['kept'] / MIB:.2f}",
                           f"{r['ratio']:.1f}x", *(_errors(r["errors"][w]) for w in widths),
+                          *(_errors(rounding_floor(module, loss_fn, size, args.batch, b,
+                                                   args.seeds)) for b in floors),
                           r["exact"])
     Console(width=160).print(table)
 
