@@ -1,4 +1,5 @@
-"""Matmuls: linear layers, convolutions, matmul / mm / bmm / addmm / baddbmm / einsum.
+"""Matmuls: linear layers, convolutions, matmul / mm / bmm / addmm / baddbmm / einsum, and the
+grouped matmuls of mixture-of-experts layers.
 
 What they save is their inputs (the weight gradient reads the activation, the input gradient
 the weight). Both backward products are linear in each saved tensor, so the activation is kept
@@ -28,6 +29,13 @@ FEATURES_LAST = (F.linear, torch.matmul, torch.mm, torch.addmm, torch.Tensor.mat
 _BY_FEATURE = "; a weight's input in groups along its tokens, one feature each"
 
 register(FEATURES_LAST[1:], "matmul", "matmul", _KEEPS + _BY_FEATURE, features_last=True)(None)
+
+#: Grouped matmuls: a mixture-of-experts layer's tokens, sorted by expert, times each expert's
+#: weight (Hugging Face's experts run ``F.grouped_mm``); a linear layer per group of rows.
+GROUPED = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
+                if f is not None)
+register(GROUPED, "matmul", "matmul", _KEEPS + _BY_FEATURE + "; mixture-of-experts grouped "
+         "matmuls alike", features_last=True)(None)
 
 
 @register((F.linear,), "matmul", "matmul",

@@ -1,4 +1,4 @@
-"""Norms: batch, layer, group, instance and RMS norm.
+"""Norms: batch, layer, group, instance and RMS norm; vector 2-norms and ``F.normalize``.
 
 Their backward reads the saved input linearly once the statistics (mean, rstd) are fixed, and
 the statistics nonlinearly: only the tensor of the input's shape is rounded (``other_bits``);
@@ -9,7 +9,9 @@ backward, not three;
 optionally writing over a convolution's output that nothing else reads).
 
 The bias this leaves is of order (rounding variance) / (elements reduced over): invisible at
-the sizes of real layers (docs/training.md).
+the sizes of real layers (docs/training.md). A vector 2-norm reads its input linearly too
+once its result is fixed; ``F.normalize`` reads it twice (``x <g, x>``), so it keeps two
+independently rounded copies.
 """
 
 from __future__ import annotations
@@ -194,3 +196,101 @@ def _lean_norm_args(s, args, kwargs) -> tuple | None:
     return (x, weight, bias, arg(args, kwargs, 1, "running_mean", None),
             arg(args, kwargs, 2, "running_var", None), float(momentum),
             float(arg(args, kwargs, 7, "eps", 1e-5)), overwrite)
+
+
+# -- vector norms and F.normalize -----------------------------------------------------------
+
+#: Vector norms, with where their order is passed and its default: the 2-norm's backward,
+#: ``grad * x / norm``, reads the input linearly once the norm (small, exact) is fixed.
+_VECTOR_NORMS = {
+    torch.linalg.vector_norm: ("ord", 2),
+    torch.norm: ("p", "fro"),
+    torch.Tensor.norm: ("p", "fro"),
+    torch.linalg.norm: ("ord", None),  # (None: the 2-norm of a vector, Frobenius of a matrix)
+}
+
+
+def _is_two_norm(func, order) -> bool:
+    """Is ``order`` the 2-norm of the elements reduced (Frobenius is; linalg.norm's ``ord=2``
+    over two dims is the spectral norm, which is not)?"""
+    if order is None or order == "fro":
+        return func is torch.linalg.norm or order == "fro"
+    return (not isinstance(order, bool) and isinstance(order, int | float) and order == 2
+            and func is not torch.linalg.norm)
+
+
+def _reduced(x: torch.Tensor, dim) -> int:
+    """How many elements each result of a reduction of ``x`` over ``dim`` reads."""
+    if dim is None:
+        return x.numel()
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    return count
+
+
+@register(tuple(_VECTOR_NORMS), "norm", None,
+          "2-norm: input rounded at other bits (backward grad * x / norm, linear in x), the "
+          "norm exact; other orders exact", only_input_shape=True)
+def vector_norm(s, func, args, kwargs, level):
+    """A 2-norm (ConvNeXt V2's global response norm) saves its input, rounded; its result, a
+    reduction, stays exact (as a norm's statistics do)."""
+    x = args[0]
+    name, default = _VECTOR_NORMS[func]
+    if (compressible(x, level) and kwargs.get("out") is None
+            and _is_two_norm(func, arg(args, kwargs, 1, name, default))
+            and _reduced(x, arg(args, kwargs, 2, "dim", None)) > 1):
+        # (a reduction over one element is |x|: its result has the input's shape and reads
+        # it nonlinearly; the rule's own width, None, keeps it exact)
+        return s.run_as("other", func, args, kwargs)
+    return None
+
+
+@register((F.normalize,), "norm", None,
+          "p=2: two independently rounded copies of the input at other bits, the norm exact "
+          "(backward grad / n - x <grad, x> / n**3, linear in each copy); other p exact")
+def normalize(s, func, args, kwargs, level):
+    """``F.normalize`` at p=2 (Swin V2's cosine attention, CLIP-style embeddings) runs
+    :class:`NormalizeTwoCopies`; any other call runs as PyTorch's, exact."""
+    x = args[0]
+    p = arg(args, kwargs, 1, "p", 2.0)
+    dim = arg(args, kwargs, 2, "dim", 1)
+    eps = arg(args, kwargs, 3, "eps", 1e-12)
+    if (not compressible(x, level) or arg(args, kwargs, 4, "out", None) is not None
+            or isinstance(p, bool) or not isinstance(p, int | float) or p != 2
+            or isinstance(eps, bool) or not isinstance(eps, int | float)
+            or not isinstance(dim, int | tuple | list)):
+        return None
+    return NormalizeTwoCopies.apply(x, dim if isinstance(dim, int) else tuple(dim), float(eps),
+                                    level.other_bits, s)
+
+
+class NormalizeTwoCopies(torch.autograd.Function):
+    """``x / max(|x|, eps)`` along ``dim`` keeping two independently rounded copies of ``x``
+    and its norm ``n`` exact (one value per row reduced). Backward is
+    ``g / d - [n >= eps] x <g, x> / n**3`` with ``d = max(n, eps)``: the product of ``x`` with
+    itself is taken between the two copies, so it stays unbiased where one copy would add its
+    rounding variance (as ``x ** 3`` keeps two copies)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, eps, bits, session):
+        n = torch.linalg.vector_norm(x, 2, dim, keepdim=True)
+        ctx.x1 = session.packer.pack_value(x, bits, "normalize", replaces=(x,))
+        ctx.x2 = session.packer.pack_value(x, bits, "normalize")
+        ctx.n = session.packer.keep_exact(n, "normalize norm")  # (one value a row)
+        ctx.conf = (dim, eps)
+        return x / n.clamp_min(eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        dim, eps = ctx.conf
+        n = take(ctx, "n")
+        d = n.clamp_min(eps)
+        x2 = take(ctx, "x2").get()
+        inner = (grad * x2).sum(dim, keepdim=True)
+        del x2
+        x1 = take(ctx, "x1").fresh()
+        scale = torch.where(n >= eps, inner / d.pow(3), torch.zeros_like(inner))
+        return grad / d - x1.mul_(scale), None, None, None, None

@@ -44,6 +44,17 @@ def t5(seed=0):
     return transformers.T5ForConditionalGeneration(config)
 
 
+def mixtral(seed=0):
+    """A mixture of experts: each layer's tokens routed to 2 of 4 experts (F.grouped_mm)."""
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=64,
+                                        intermediate_size=172, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=500, bos_token_id=0,
+                                        eos_token_id=0, pad_token_id=0)
+    return transformers.MixtralForCausalLM(config)
+
+
 IDS = torch.randint(0, 500, (2, 48), generator=torch.Generator().manual_seed(0))
 
 
@@ -68,6 +79,18 @@ def test_saved_activations_shrink_over_10x_with_nothing_large_exact(make):
     flat_grads(model, "L3", st3.append)
     assert st3[0].exact == {}, st3[0].describe_exact()
     assert st0[0].saved_bytes / st3[0].kept_bytes > 10
+
+
+def test_a_mixture_of_experts_packs_its_experts_inputs():
+    # its experts' grouped matmuls kept their inputs exact before they had a rule (3.7x at
+    # L3 on a 2-layer Mixtral, 1.5 of 2.3 MiB exact): now packed like any linear layer's
+    model = mixtral()
+    st0, st3 = [], []
+    exact = flat_grads(model, "L0", st0.append)
+    flat_grads(model, "L3", st3.append)
+    assert st3[0].exact == {}, st3[0].describe_exact()
+    assert st0[0].saved_bytes / st3[0].kept_bytes > 10
+    assert rel(flat_grads(model, "u8"), exact) < 0.01  # 0.54% measured
 
 
 def test_t5s_learned_position_bias_is_packed_not_kept_exact():

@@ -1,5 +1,6 @@
 """Norm rules: the input rounded, the statistics exact; gradients close at 8 bits and
-unbiased at 2 bits (reductions of 64 and more elements), in float32 and bfloat16."""
+unbiased at 2 bits (reductions of 64 and more elements), in float32 and bfloat16. Vector
+2-norms and ``F.normalize`` alike; their other orders exact."""
 
 import pytest
 import torch
@@ -28,6 +29,15 @@ OPS = {
     "group_norm": lambda t: F.group_norm(t.view(64, 8, 8) * 1.0, 2).square(),
     "batch_norm": lambda t: F.batch_norm(t.view(16, 4, 8, 8) * 1.0, None, None,
                                          training=True).square(),
+    # vector 2-norms (the input rounded, the norm exact) in each spelling, and F.normalize
+    # (two copies of the input)
+    "linalg.vector_norm": lambda t: torch.linalg.vector_norm(t * 1.0, dim=-1),
+    "torch.norm": lambda t: torch.norm(t * 1.0, dim=-1),
+    "Tensor.norm": lambda t: (t * 1.0).norm(2, dim=0, keepdim=True),
+    "linalg.norm": lambda t: torch.linalg.norm(t * 1.0, dim=-1),
+    "global response norm": lambda t: torch.linalg.vector_norm(
+        t.view(4, 4, 4, 64) * 1.0, ord=2, dim=(1, 2), keepdim=True),  # (ConvNeXt V2's)
+    "normalize": lambda t: F.normalize(t * 1.0, dim=-1),
 }
 
 
@@ -139,3 +149,43 @@ def test_a_norms_large_statistics_stay_exact_and_are_named_as_statistics():
     rows = 8 * 32 * 32
     assert stats[0].exact == {"layer_norm statistics": rows * 4}  # (rstd, float32)
     assert stats[0].by_kind["norm"] > 0  # the normalised input: packed
+
+
+@pytest.mark.parametrize(("name", "fn"), [
+    ("linalg_vector_norm", lambda t: torch.linalg.vector_norm(t * 1.0, ord=1, dim=-1)),
+    ("linalg_vector_norm", lambda t: torch.linalg.vector_norm(t * 1.0, ord=float("inf"))),
+    ("norm", lambda t: torch.norm(t * 1.0, p=3, dim=-1)),
+    ("linalg_norm", lambda t: torch.linalg.norm(t * 1.0, ord=2)),  # spectral
+    ("linalg_vector_norm", lambda t: torch.linalg.vector_norm(t.view(64, 64, 1) * 1.0,
+                                                              dim=-1)),  # |x| itself
+    ("normalize", lambda t: F.normalize(t * 1.0, p=1, dim=-1)),
+])
+def test_norms_read_nonlinearly_stay_exact_and_named(name, fn):
+    # other orders than 2 (and the spectral norm, a reduction over one element) read their
+    # input through a nonlinearity: PyTorch's own, exact, gradients, named in the report
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    stats = []
+    (two,) = input_grads(fn, (x,), level(2), 1)
+    with actune.compressed(level(2), stats=stats.append):
+        fn(x)
+    (exact,) = exact_grads(fn, (x,))
+    assert torch.equal(two[0], exact[0])
+    assert name in stats[0].exact, stats[0].exact
+
+
+def test_normalize_is_unbiased_where_one_copy_would_not_be():
+    # F.normalize's backward reads x twice (x <g, x>): one 2-bit copy adds its variance to the
+    # product; two independent copies do not (a mean over 512 draws falls like noise)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(3)).requires_grad_()
+
+    def fn(t):
+        return F.normalize(t * 1.0, dim=-1)
+
+    (exact,) = exact_grads(fn, (x,))
+    (two,) = input_grads(fn, (x,), level(2), 512)
+    assert shrinks_like_noise(two, exact[0], small=8, large=512) < 0.2
+    stats = []
+    with actune.compressed(level(2), stats=stats.append):
+        fn(x)
+    assert stats[0].by_kind["normalize"] > 0  # the two copies; the norm alone exact:
+    assert list(stats[0].exact) == ["normalize norm"] and stats[0].exact["normalize norm"] == 128

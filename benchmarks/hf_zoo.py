@@ -1,0 +1,212 @@
+"""Many Hugging Face architectures at once: what each keeps at a level, and what stays exact.
+
+A sweep for ops without a rule: one small config per architecture (2 layers or stages, 128
+wide, random weights, nothing downloaded), one training step of its own loss under
+``compressed(level, stats=...)`` (L3 by default): the bytes autograd would keep, the bytes kept,
+their ratio and what stayed exact, by op. Language models of every common family (dense and
+mixture of experts), encoders, an encoder-decoder, vision transformers and convolutional
+networks, speech; dropout, drop path and the like off (so that ``--gradients`` compares
+two runs that differ by rounding alone). ``--without-new-rules`` removes the rules of the
+grouped matmuls of mixture-of-experts layers, the vector 2-norms and ``F.normalize`` to show
+the same table as before they existed. ``--gradients`` adds the relative error of the whole
+gradient at ``u8`` against exact.
+
+    python benchmarks/hf_zoo.py [--level L3] [--models mixtral,swinv2] [--without-new-rules]
+        [--gradients]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from rich.console import Console
+from rich.table import Table
+
+import actune
+
+try:
+    import transformers as t
+except ImportError as err:
+    raise SystemExit("needs Hugging Face transformers: pip install 'actune[hf]'") from err
+
+MIB = 2**20
+VOCAB = 1000
+_LM = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+_DECODER = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
+            "num_attention_heads": 4}
+_GQA = {**_DECODER, "num_key_value_heads": 2}
+_MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
+_ENCODER = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
+            "num_attention_heads": 4, "vocab_size": VOCAB}
+_VIT = {"image_size": 64, "patch_size": 8, "num_hidden_layers": 2, "hidden_size": 128,
+        "intermediate_size": 256, "num_attention_heads": 4, "num_labels": 10}
+_STAGES = {"hidden_sizes": [32, 64, 128, 256], "depths": [1, 1, 1, 1], "num_labels": 10}
+_QUIET = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+_SWIN = {"image_size": 64, "patch_size": 4, "embed_dim": 32, "depths": [1, 1],
+         "num_heads": [2, 4], "window_size": 4, "num_labels": 10, "drop_path_rate": 0.0,
+         **_QUIET}
+
+#: name -> (input kind, a builder of the model)
+ZOO: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
+    "llama": ("causal", lambda: t.LlamaForCausalLM(t.LlamaConfig(**_GQA, **_LM))),
+    "mistral": ("causal", lambda: t.MistralForCausalLM(t.MistralConfig(**_GQA, **_LM))),
+    "qwen3": ("causal", lambda: t.Qwen3ForCausalLM(t.Qwen3Config(**_GQA, head_dim=32, **_LM))),
+    "gemma2": ("causal", lambda: t.Gemma2ForCausalLM(t.Gemma2Config(**_GQA, head_dim=32,
+                                                                     **_LM))),
+    "phi3": ("causal", lambda: t.Phi3ForCausalLM(t.Phi3Config(**_GQA, **_LM))),
+    "gpt_neox": ("causal", lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**_DECODER, **_LM))),
+    "falcon": ("causal", lambda: t.FalconForCausalLM(t.FalconConfig(
+        num_hidden_layers=2, hidden_size=128, num_attention_heads=4, **_LM))),
+    "opt": ("causal", lambda: t.OPTForCausalLM(t.OPTConfig(
+        num_hidden_layers=2, hidden_size=128, ffn_dim=256, num_attention_heads=4,
+        word_embed_proj_dim=128, dropout=0.0, attention_dropout=0.0, **_LM))),
+    "gptj": ("causal", lambda: t.GPTJForCausalLM(t.GPTJConfig(
+        n_layer=2, n_embd=128, n_head=4, rotary_dim=16, **_LM))),
+    "mixtral": ("causal", lambda: t.MixtralForCausalLM(t.MixtralConfig(**_GQA, **_MOE,
+                                                                       **_LM))),
+    "qwen2_moe": ("causal", lambda: t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
+        **_GQA, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4,
+        num_experts_per_tok=2, **_LM))),
+    "olmoe": ("causal", lambda: t.OlmoeForCausalLM(t.OlmoeConfig(
+        **_GQA, num_experts=4, num_experts_per_tok=2, **_LM))),
+    "roberta": ("masked", lambda: t.RobertaForMaskedLM(t.RobertaConfig(**_ENCODER,
+                                                                        pad_token_id=1))),
+    "deberta_v2": ("masked", lambda: t.DebertaV2ForMaskedLM(t.DebertaV2Config(
+        **_ENCODER, pad_token_id=0))),
+    "bart": ("seq2seq", lambda: t.BartForConditionalGeneration(t.BartConfig(
+        encoder_layers=1, decoder_layers=1, d_model=128, encoder_ffn_dim=256,
+        decoder_ffn_dim=256, encoder_attention_heads=4, decoder_attention_heads=4,
+        vocab_size=VOCAB, pad_token_id=1, decoder_start_token_id=2, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0))),
+    "vit": ("image", lambda: t.ViTForImageClassification(t.ViTConfig(**_VIT))),
+    "beit": ("image", lambda: t.BeitForImageClassification(t.BeitConfig(
+        **_VIT, use_relative_position_bias=True, drop_path_rate=0.0, **_QUIET))),
+    "dinov2": ("image", lambda: t.Dinov2ForImageClassification(t.Dinov2Config(
+        image_size=64, patch_size=8, num_hidden_layers=2, hidden_size=128,
+        num_attention_heads=4, num_labels=10))),
+    "swin": ("image", lambda: t.SwinForImageClassification(t.SwinConfig(**_SWIN))),
+    "swinv2": ("image", lambda: t.Swinv2ForImageClassification(t.Swinv2Config(**_SWIN))),
+    "convnext": ("image", lambda: t.ConvNextForImageClassification(t.ConvNextConfig(
+        **_STAGES))),
+    "convnextv2": ("image", lambda: t.ConvNextV2ForImageClassification(t.ConvNextV2Config(
+        **_STAGES))),
+    "regnet": ("image", lambda: t.RegNetForImageClassification(t.RegNetConfig(
+        **_STAGES, groups_width=8))),
+    "resnet": ("image", lambda: t.ResNetForImageClassification(t.ResNetConfig(**_STAGES))),
+    "segformer": ("image", lambda: t.SegformerForImageClassification(t.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[32, 64],
+        num_attention_heads=[1, 2], num_labels=10, decoder_hidden_size=64, drop_path_rate=0.0,
+        classifier_dropout_prob=0.0, **_QUIET))),
+    "poolformer": ("image", lambda: t.PoolFormerForImageClassification(t.PoolFormerConfig(
+        depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 96, 128], num_labels=10))),
+    "wav2vec2": ("audio", lambda: t.Wav2Vec2ForSequenceClassification(t.Wav2Vec2Config(
+        num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, num_labels=3,
+        vocab_size=32, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0))),
+}
+
+
+def loss_of(kind: str, model: torch.nn.Module) -> Callable[[], torch.Tensor]:
+    """A training step's loss for an input of ``kind`` (batch 4, fixed random values)."""
+    gen = torch.Generator().manual_seed(0)
+    if kind in ("causal", "masked", "seq2seq"):
+        ids = torch.randint(3, VOCAB, (4, 64), generator=gen)
+        return lambda: model(input_ids=ids, labels=ids).loss
+    if kind == "image":
+        pixels = torch.randn(4, 3, 64, 64, generator=gen)
+        labels = torch.randint(0, 10, (4,), generator=gen)
+        return lambda: model(pixel_values=pixels, labels=labels).loss
+    values = torch.randn(4, 4000, generator=gen)
+    labels = torch.randint(0, 3, (4,), generator=gen)
+    return lambda: model(input_values=values, labels=labels).loss
+
+
+def _quiet(model: torch.nn.Module) -> None:
+    """Every dropout module off (the configs turn off what modules do not hold: functional
+    dropout, drop path, layer drop, SpecAugment masks)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def measure(name: str, level: str, gradients: bool) -> dict:
+    kind, build = ZOO[name]
+    torch.manual_seed(0)
+    model = build()
+    model.train()
+    _quiet(model)
+    loss = loss_of(kind, model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def step(lv: str, stats=None, seed: int = 1) -> torch.Tensor:
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with actune.compressed(lv, stats=stats):
+            value = loss()
+        value.backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+    found: list = []
+    step(level, found.append)
+    s = found[0]
+    out = {"saved": s.saved_bytes, "kept": s.kept_bytes, "ratio": s.ratio,
+           "exact": s.describe_exact() if s.exact else "nothing"}
+    if gradients:
+        exact = step("L0")
+        out["u8"] = ((step("u8") - exact).norm() / exact.norm()).item()
+    return out
+
+
+@contextlib.contextmanager
+def without_new_rules():
+    """The rules of grouped matmuls, vector 2-norms and F.normalize removed."""
+    from actune.rules import RULES
+    from actune.rules.matmuls import GROUPED
+    from actune.rules.norms import _VECTOR_NORMS
+
+    removed = {f: RULES.pop(f) for f in (*GROUPED, *_VECTOR_NORMS, F.normalize)}
+    try:
+        yield
+    finally:
+        RULES.update(removed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--level", default="L3")
+    parser.add_argument("--models", default=None, help="comma-separated names (default: all)")
+    parser.add_argument("--without-new-rules", action="store_true")
+    parser.add_argument("--gradients", action="store_true")
+    args = parser.parse_args()
+    names = list(ZOO) if args.models is None else args.models.split(",")
+    unknown = [n for n in names if n not in ZOO]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {', '.join(ZOO)}")
+    table = Table(title=f"{args.level}, one training step, batch 4"
+                  + (" (grouped matmul, vector norm, normalize rules removed)"
+                     if args.without_new_rules else ""))
+    for col in ("model", "saved MiB", "kept MiB", "ratio", *(("u8 grad error",)
+                                                              if args.gradients else ()),
+                "kept exact"):
+        table.add_column(col, justify="left" if col in ("model", "kept exact") else "right")
+    warnings.filterwarnings("ignore")
+    t.logging.set_verbosity_error()
+    with without_new_rules() if args.without_new_rules else contextlib.nullcontext():
+        for name in names:
+            r = measure(name, args.level, args.gradients)
+            table.add_row(name, f"{r['saved'] / MIB:.2f}", f"{r['kept'] / MIB:.3f}",
+                          f"{r['ratio']:.1f}x", *((f"{r['u8']:.2%}",) if args.gradients
+                                                  else ()), r["exact"])
+    Console(width=170).print(table)
+
+
+if __name__ == "__main__":
+    main()
