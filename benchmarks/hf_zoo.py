@@ -169,10 +169,10 @@ def measure(name: str, level: str, gradients: bool) -> dict:
 def without_new_rules():
     """The rules of grouped matmuls, vector 2-norms and F.normalize removed."""
     from actune.rules import RULES
-    from actune.rules.matmuls import GROUPED
+    from actune.rules.matmuls import GROUPED_MATMULS
     from actune.rules.norms import _VECTOR_NORMS
 
-    removed = {f: RULES.pop(f) for f in (*GROUPED, *_VECTOR_NORMS, F.normalize)}
+    removed = {f: RULES.pop(f) for f in (*GROUPED_MATMULS, *_VECTOR_NORMS, F.normalize)}
     try:
         yield
     finally:

@@ -30,11 +30,13 @@ _BY_FEATURE = "; a weight's input in groups along its tokens, one feature each"
 
 register(FEATURES_LAST[1:], "matmul", "matmul", _KEEPS + _BY_FEATURE, features_last=True)(None)
 
-#: Grouped matmuls: a mixture-of-experts layer's tokens, sorted by expert, times each expert's
-#: weight (Hugging Face's experts run ``F.grouped_mm``); a linear layer per group of rows.
-GROUPED = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
-                if f is not None)
-register(GROUPED, "matmul", "matmul", _KEEPS + _BY_FEATURE + "; mixture-of-experts grouped "
+#: Grouped matmuls, in the spellings this torch has: a mixture-of-experts layer's tokens,
+#: sorted by expert, times each expert's weight (Hugging Face's experts call ``F.grouped_mm``);
+#: a linear layer per group of rows. (Dynamo calls no function mode for them: not
+#: overridable functions, so compiled graphs keep their inputs exact.)
+GROUPED_MATMULS = tuple(f for f in (getattr(F, "grouped_mm", None),
+                                    getattr(torch, "_grouped_mm", None)) if f is not None)
+register(GROUPED_MATMULS, "matmul", "matmul", _KEEPS + _BY_FEATURE + "; mixture-of-experts grouped "
          "matmuls alike", features_last=True)(None)
 
 

@@ -14,7 +14,8 @@ partitioner saves the packed bytes. What each keeps mirrors the eager rules
 * a piecewise-linear activation's two slopes (ReLU6, hardtanh, hardsigmoid, leaky ReLU): one
   bit per element;
 * a norm's normalised input at other bits, its ``rstd`` exact;
-* softmax's output as two independently rounded copies (its backward is quadratic in it).
+* softmax's output as two independently rounded copies (its backward is quadratic in it), as
+  ``F.normalize``'s input; a vector 2-norm's input at other bits, the norm exact.
 
 Every backward product is linear in each rounded tensor: the gradients are unbiased, up to a
 norm's term of order (rounding variance) / (elements normalised over), as in eager.
@@ -41,7 +42,8 @@ from actune.traced.pack import (
 )
 
 __all__ = ["DERIVATIVES", "TWO_SLOPES", "BroadcastProduct", "DerivativeCodes", "GatedProduct",
-           "PackedDerivative", "PackedLinear", "PackedNorm", "PackedProduct", "TwoCopySoftmax",
+           "PackedDerivative", "PackedLinear", "PackedNorm",
+           "PackedProduct", "PackedVectorNorm", "TwoCopyNormalize", "TwoCopySoftmax",
            "TwoSlopes", "carry_copy", "shared_copy", "softmax_sharing_copy"]
 
 
@@ -80,6 +82,55 @@ class PackedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             gb = _rows(grad).sum(0)
         return gx, gw, gb, None, None
+
+
+class PackedVectorNorm(torch.autograd.Function):
+    """The 2-norm of ``x`` over ``dim`` keeping ``x`` rounded and the norm exact: backward
+    ``grad * x / norm`` (0 where the norm is), linear in ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, dim, keepdim: bool, bits: int, group_size: int):
+        n = torch.linalg.vector_norm(x, 2, dim, keepdim)
+        ctx.meta = (x.shape, x.dtype, dim, keepdim, bits, group_size)
+        ctx.save_for_backward(n, *pack(x, bits, group_size))
+        return n
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, dim, keepdim, bits, group_size = ctx.meta
+        n, *packed = ctx.saved_tensors
+        if not keepdim:  # (the reduced dims back, so that both broadcast over x)
+            dims = range(len(shape)) if dim is None else sorted(
+                d % len(shape) for d in ((dim,) if isinstance(dim, int) else dim))
+            for d in dims:
+                grad, n = grad.unsqueeze(d), n.unsqueeze(d)
+        x = unpack(tuple(packed), bits, shape, grad.dtype, group_size)
+        scale = torch.where(n > 0, grad / n, torch.zeros_like(grad))
+        return (x * scale).to(dtype), None, None, None, None
+
+
+class TwoCopyNormalize(torch.autograd.Function):
+    """``F.normalize(x, 2, dim, eps)`` keeping two independently rounded copies of ``x`` and
+    its norm exact: backward ``g / d - [n >= eps] x1 <g, x2> / n**3``, unbiased although
+    quadratic in ``x`` (as softmax's two copies)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, eps: float, bits: int, group_size: int):
+        n = torch.linalg.vector_norm(x, 2, dim, keepdim=True)
+        ctx.meta = (x.shape, x.dtype, dim, eps, bits, group_size)
+        ctx.save_for_backward(n, *pack(x, bits, group_size), *pack(x, bits, group_size))
+        return x / n.clamp_min(eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, dim, eps, bits, group_size = ctx.meta
+        n, *packed = ctx.saved_tensors
+        x1 = unpack(tuple(packed[:3]), bits, shape, grad.dtype, group_size)
+        x2 = unpack(tuple(packed[3:]), bits, shape, grad.dtype, group_size)
+        d = n.clamp_min(eps)
+        inner = (grad * x2).sum(dim, keepdim=True)
+        scale = torch.where(n >= eps, inner / d.pow(3), torch.zeros_like(inner))
+        return (grad / d - x1 * scale).to(dtype), None, None, None, None
 
 
 class PackedProduct(torch.autograd.Function):

@@ -28,6 +28,8 @@ from actune.traced.functions import (
     PackedLinear,
     PackedNorm,
     PackedProduct,
+    PackedVectorNorm,
+    TwoCopyNormalize,
     TwoSlopes,
     carry_copy,
     shared_copy,
@@ -84,6 +86,41 @@ def _addmm(level, args, kwargs):
         return None
     return PackedLinear.apply(x, w.t(), b, _input_width(level, x, w.shape[-1]),
                               level.group_size)
+
+
+@_register(torch.linalg.vector_norm)
+def _vector_norm(level, args, kwargs):
+    """A 2-norm over some dims (ConvNeXt V2's global response norm), no dtype or out."""
+    x = args[0]
+    order = arg(args, kwargs, 1, "ord", 2)
+    dim = arg(args, kwargs, 2, "dim", None)
+    if (level.other_bits is None or not _activation(x, level) or isinstance(order, bool)
+            or order != 2 or kwargs.get("dtype") is not None or kwargs.get("out") is not None
+            or not (dim is None or isinstance(dim, int | tuple | list))):
+        return None
+    dim = dim if dim is None or isinstance(dim, int) else tuple(dim)
+    reduced = x.numel()
+    if dim is not None:  # (a loop: Dynamo traces no generator passed to a builtin)
+        reduced = 1
+        for d in (dim,) if isinstance(dim, int) else dim:
+            reduced *= x.shape[d]
+    if reduced < 2:
+        return None
+    return PackedVectorNorm.apply(x, dim, bool(arg(args, kwargs, 3, "keepdim", False)),
+                                  level.other_bits, level.group_size)
+
+
+@_register(F.normalize)
+def _normalize(level, args, kwargs):
+    x = args[0]
+    p = arg(args, kwargs, 1, "p", 2.0)
+    dim = arg(args, kwargs, 2, "dim", 1)
+    eps = arg(args, kwargs, 3, "eps", 1e-12)
+    if (level.other_bits is None or not _activation(x, level) or isinstance(p, bool) or p != 2
+            or arg(args, kwargs, 4, "out", None) is not None or not isinstance(dim, int)
+            or isinstance(eps, bool) or not isinstance(eps, int | float)):
+        return None
+    return TwoCopyNormalize.apply(x, dim, float(eps), level.other_bits, level.group_size)
 
 
 @_register(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,

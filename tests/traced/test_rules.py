@@ -126,6 +126,13 @@ def _case(name):
     if name == "batch_norm_channels_last":
         return (lambda x, w, b: F.batch_norm(_channels_last(x), None, None, w, b, True)), \
             (r(8, 4, 8, 8), r(4), r(4))
+    if name == "vector_norm":  # (ConvNeXt V2's global response norm)
+        return (lambda x: torch.linalg.vector_norm(x, 2, dim=(1, 2), keepdim=True)), \
+            (r(4, 8, 8, 32),)
+    if name == "vector_norm_rows":
+        return (lambda x: torch.linalg.vector_norm(x, dim=-1)), (r(16, 64),)
+    if name == "normalize":
+        return (lambda x: F.normalize(x, dim=-1)), (r(16, 64),)
     raise KeyError(name)
 
 
@@ -143,7 +150,8 @@ CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "hardswish",
          "leaky_relu", "layer_norm", "rms_norm",
          "softmax", "mul", "attention_map", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv",
          "conv_channels_last", "relu", "relu_channels_last", "relu_inplace", "relu_",
-         "batch_norm", "batch_norm_channels_last")
+         "batch_norm", "batch_norm_channels_last", "vector_norm", "vector_norm_rows",
+         "normalize")
 
 
 @pytest.mark.parametrize("name", CASES)
