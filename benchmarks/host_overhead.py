@@ -33,11 +33,17 @@ checkout for its figures; the kernels are stubbed in either).
     python benchmarks/host_overhead.py --model llama --batch 1 --tokens 8
     python benchmarks/host_overhead.py --model resnet50 --batch 2
     python benchmarks/host_overhead.py --instructions [--steps 4]
+    python benchmarks/host_overhead.py --model llama --batch 1 --tokens 8 --floor
+
+``--floor`` times the step instead under an empty function mode, under identity saved-tensor
+hooks and under both, beside ``--level``, each over plain PyTorch: the part of the level's
+host time that any design routing calls and seeing saved tensors in Python pays first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import shutil
@@ -46,10 +52,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch.overrides import TorchFunctionMode
 
 import actune
 from actune.apps.zoo import resnet
@@ -166,6 +174,64 @@ def timed(args: argparse.Namespace) -> None:
           f"({statistics.median(plain) * 1e3:.2f} ms a plain step)")
 
 
+class _EmptyMode(TorchFunctionMode):
+    """A function mode that runs every call as it is: the floor of any routing in Python."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _floor_scopes() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """What ``--floor`` times a step under, beside plain PyTorch (see ``floor``)."""
+    def hooks():
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+    def both():
+        stack = contextlib.ExitStack()
+        stack.enter_context(hooks())
+        stack.enter_context(_EmptyMode())
+        return stack
+
+    return {"plain": contextlib.nullcontext, "empty function mode": _EmptyMode,
+            "identity saved-tensor hooks": hooks, "both": both}
+
+
+def floor(args: argparse.Namespace) -> None:
+    """The host time of a step under an empty function mode, identity saved-tensor hooks and
+    both, and under ``--level``, each over plain PyTorch's (medians of per-round ratios): what
+    any design that routes calls and sees saved tensors in Python costs before doing anything,
+    against what actune costs."""
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    model, loss_of = MODELS[args.model](args)
+    no_op_kernels()
+    scopes = {**_floor_scopes(), args.level: lambda: actune.compressed(args.level)}
+
+    def step(scope) -> float:
+        t = CLOCK()
+        with scope():
+            loss = loss_of()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return CLOCK() - t
+
+    for _ in range(3):
+        for scope in scopes.values():
+            step(scope)
+    times: dict[str, list[float]] = {name: [] for name in scopes}
+    for _ in range(args.rounds):
+        for name, scope in scopes.items():
+            times[name].append(step(scope))
+    ratios = {name: statistics.median(a / b for a, b in zip(t, times["plain"], strict=True))
+              for name, t in times.items() if name != "plain"}
+    print(f"{args.model} {_input(args)}, batch {args.batch}, {torch.get_num_threads()} "
+          f"thread(s), {args.rounds} rounds: host time over plain PyTorch's "
+          f"({statistics.median(times['plain']) * 1e3:.2f} ms): "
+          + ", ".join(f"{name} {r:.3f}x" for name, r in ratios.items()))
+
+
 def _input(args: argparse.Namespace) -> str:
     return (f"{args.tokens} tokens" if args.model == "llama"
             else f"{args.resolution}x{args.resolution}")
@@ -238,12 +304,16 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions under Valgrind instead of timing")
     parser.add_argument("--steps", type=int, default=4, help="steps counted (--instructions)")
+    parser.add_argument("--floor", action="store_true",
+                        help="time an empty function mode and identity hooks against --level")
     parser.add_argument("--count-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.count_child:
         counted_child(args)
     elif args.instructions:
         counted(args)
+    elif args.floor:
+        floor(args)
     else:
         timed(args)
 
