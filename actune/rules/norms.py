@@ -252,12 +252,15 @@ def vector_norm(s, func, args, kwargs, level):
           "(backward grad / n - x <grad, x> / n**3, linear in each copy); other p exact")
 def normalize(s, func, args, kwargs, level):
     """``F.normalize`` at p=2 (Swin V2's cosine attention, CLIP-style embeddings) runs
-    :class:`NormalizeTwoCopies`; any other call runs as PyTorch's, exact."""
+    :class:`NormalizeTwoCopies`; any other call runs as PyTorch's, exact, as does a leaf or a
+    view of one (a weight normalised in forward, a cosine classifier's: what PyTorch saves of
+    it is a reference, where copies would add bytes and noise)."""
     x = args[0]
     p = arg(args, kwargs, 1, "p", 2.0)
     dim = arg(args, kwargs, 2, "dim", 1)
     eps = arg(args, kwargs, 3, "eps", 1e-12)
     if (not compressible(x, level) or arg(args, kwargs, 4, "out", None) is not None
+            or x.is_leaf or (x._base is not None and x._base.is_leaf)
             or isinstance(p, bool) or not isinstance(p, int | float) or p != 2
             or isinstance(eps, bool) or not isinstance(eps, int | float)
             or not isinstance(dim, int | tuple | list)):

@@ -189,3 +189,20 @@ def test_normalize_is_unbiased_where_one_copy_would_not_be():
         fn(x)
     assert stats[0].by_kind["normalize"] > 0  # the two copies; the norm alone exact:
     assert list(stats[0].exact) == ["normalize norm"] and stats[0].exact["normalize norm"] == 128
+
+
+def test_a_normalized_weight_stays_a_reference():
+    # a cosine classifier normalises its weight in forward: PyTorch saves the weight itself
+    # (held by the module anyway); two rounded copies would add bytes and noise
+    weight = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)))
+
+    def fn(w):
+        return F.normalize(w, dim=-1) * 2.0  # (a product with a number saves nothing)
+
+    stats = []
+    with actune.compressed(level(2), stats=stats.append):
+        fn(weight)
+    assert "normalize" not in stats[0].by_kind, stats[0].by_kind
+    (two,) = input_grads(fn, (weight,), level(2), 1)
+    (exact,) = exact_grads(fn, (weight,))
+    assert torch.equal(two[0], exact[0])
