@@ -120,7 +120,7 @@ def _normalize(level, args, kwargs):
             or arg(args, kwargs, 4, "out", None) is not None or not isinstance(dim, int)
             or isinstance(eps, bool) or not isinstance(eps, int | float)):
         return None
-    return TwoCopyNormalize.apply(x, dim, float(eps), level.other_bits, level.group_size)
+    return TwoCopyNormalize.apply(x, dim, float(eps), level.sensitive_width, level.group_size)
 
 
 @_register(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
