@@ -74,6 +74,25 @@ ZOO: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
         num_experts_per_tok=2, **_LM))),
     "olmoe": ("causal", lambda: t.OlmoeForCausalLM(t.OlmoeConfig(
         **_GQA, num_experts=4, num_experts_per_tok=2, **_LM))),
+    "qwen3_moe": ("causal", lambda: t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(
+        **_GQA, head_dim=32, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+        **_LM))),
+    "granitemoe": ("causal", lambda: t.GraniteMoeForCausalLM(t.GraniteMoeConfig(
+        **_GQA, **_MOE, **_LM))),
+    "gpt_oss": ("causal", lambda: t.GptOssForCausalLM(t.GptOssConfig(
+        num_hidden_layers=2, hidden_size=128, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, **_MOE, **_LM))),
+    "deepseek_v3": ("causal", lambda: t.DeepseekV3ForCausalLM(t.DeepseekV3Config(
+        num_hidden_layers=2, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=32, **_LM))),
+    "gemma3": ("causal", lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(**_GQA, head_dim=32,
+                                                                        **_LM))),
+    "modernbert": ("masked", lambda: t.ModernBertForMaskedLM(t.ModernBertConfig(
+        num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        vocab_size=VOCAB, pad_token_id=0))),
     "roberta": ("masked", lambda: t.RobertaForMaskedLM(t.RobertaConfig(**_ENCODER,
                                                                         pad_token_id=1))),
     "deberta_v2": ("masked", lambda: t.DebertaV2ForMaskedLM(t.DebertaV2Config(
