@@ -210,13 +210,15 @@ _VECTOR_NORMS = {
 }
 
 
-def _is_two_norm(func, order) -> bool:
+def _is_two_norm(func, order, x: torch.Tensor, dim) -> bool:
     """Is ``order`` the 2-norm of the elements reduced (Frobenius is; linalg.norm's ``ord=2``
-    over two dims is the spectral norm, which is not)?"""
+    is a vector's 2-norm over one dim, over two the spectral norm, which is not)?"""
     if order is None or order == "fro":
         return func is torch.linalg.norm or order == "fro"
-    return (not isinstance(order, bool) and isinstance(order, int | float) and order == 2
-            and func is not torch.linalg.norm)
+    if isinstance(order, bool) or not isinstance(order, int | float) or order != 2:
+        return False
+    return func is not torch.linalg.norm or isinstance(dim, int) or (dim is None
+                                                                     and x.dim() == 1)
 
 
 def _reduced(x: torch.Tensor, dim) -> int:
@@ -238,9 +240,10 @@ def vector_norm(s, func, args, kwargs, level):
     reduction, stays exact (as a norm's statistics do)."""
     x = args[0]
     name, default = _VECTOR_NORMS[func]
+    dim = arg(args, kwargs, 2, "dim", None)
     if (compressible(x, level) and kwargs.get("out") is None
-            and _is_two_norm(func, arg(args, kwargs, 1, name, default))
-            and _reduced(x, arg(args, kwargs, 2, "dim", None)) > 1):
+            and _is_two_norm(func, arg(args, kwargs, 1, name, default), x, dim)
+            and _reduced(x, dim) > 1):
         # (a reduction over one element is |x|: its result has the input's shape and reads
         # it nonlinearly; the rule's own width, None, keeps it exact)
         return s.run_as("other", func, args, kwargs)

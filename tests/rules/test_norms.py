@@ -35,6 +35,7 @@ OPS = {
     "torch.norm": lambda t: torch.norm(t * 1.0, dim=-1),
     "Tensor.norm": lambda t: (t * 1.0).norm(2, dim=0, keepdim=True),
     "linalg.norm": lambda t: torch.linalg.norm(t * 1.0, dim=-1),
+    "linalg.norm, ord 2 over one dim": lambda t: torch.linalg.norm(t * 1.0, 2, dim=0),
     "global response norm": lambda t: torch.linalg.vector_norm(
         t.view(4, 4, 4, 64) * 1.0, ord=2, dim=(1, 2), keepdim=True),  # (ConvNeXt V2's)
     "normalize": lambda t: F.normalize(t * 1.0, dim=-1),
