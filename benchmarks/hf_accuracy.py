@@ -2,7 +2,8 @@
 
 ``pydoc_data.topics`` ships with every Python (about 465 KB of English text about Python): the
 last tenth is held out for validation. A small model of one family (``--family``: ``gpt2``,
-``llama``, ``qwen2``, ``mistral``, and three more GELU families: ``gpt_neox``, ``phi``, and
+``llama``, ``qwen2``, ``mistral``, ``mixtral`` (a mixture of experts), and three more GELU
+families: ``gpt_neox``, ``phi``, and
 ``bert`` as a masked LM (:class:`MaskedLM`: the loss of 15% of the bytes, masked); random
 init from a config, vocabulary of 256 bytes) is trained at each level, with
 ``actune.compress(model, level)``, or (``--form compressed``) with the forward and
@@ -139,6 +140,8 @@ FAMILIES = {
     "llama": _llama_like("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": _llama_like("Qwen2Config", "Qwen2ForCausalLM"),  # q, k, v with biases
     "mistral": _llama_like("MistralConfig", "MistralForCausalLM"),
+    # a mixture of experts: 8 experts a layer, 2 per token, grouped matmuls
+    "mixtral": _llama_like("MixtralConfig", "MixtralForCausalLM"),
     "gpt_neox": _gelu_family("GPTNeoXConfig", "GPTNeoXForCausalLM",
                              ("hidden_dropout", "attention_dropout")),
     "phi": _gelu_family("PhiConfig", "PhiForCausalLM",
