@@ -23,7 +23,7 @@ from actune import tunables
 from actune.packing.saved import check_double_backward, take
 from actune.rules.activations import compressible
 from actune.rules.registry import register
-from actune.substitutes.functions import LeanBatchNorm, arg, autocast_dtype
+from actune.substitutes.functions import LeanBatchNorm, arg, autocast_dtype, reduced_count
 
 _KEEPS = "input rounded at other bits; statistics exact"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -221,17 +221,6 @@ def _is_two_norm(func, order, x: torch.Tensor, dim) -> bool:
                                                                      and x.dim() == 1)
 
 
-def _reduced(x: torch.Tensor, dim) -> int:
-    """How many elements each result of a reduction of ``x`` over ``dim`` reads."""
-    if dim is None:
-        return x.numel()
-    dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    count = 1
-    for d in dims:
-        count *= x.shape[d]
-    return count
-
-
 @register(tuple(_VECTOR_NORMS), "norm", None,
           "2-norm: input rounded at other bits (backward grad * x / norm, linear in x), the "
           "norm exact; other orders exact", only_input_shape=True)
@@ -243,7 +232,7 @@ def vector_norm(s, func, args, kwargs, level):
     dim = arg(args, kwargs, 2, "dim", None)
     if (compressible(x, level) and kwargs.get("out") is None
             and _is_two_norm(func, arg(args, kwargs, 1, name, default), x, dim)
-            and _reduced(x, dim) > 1):
+            and reduced_count(x, dim) > 1):
         # (a reduction over one element is |x|: its result has the input's shape and reads
         # it nonlinearly; the rule's own width, None, keeps it exact)
         return s.run_as("other", func, args, kwargs)
@@ -256,12 +245,11 @@ def vector_norm(s, func, args, kwargs, level):
           "other p exact")
 def normalize(s, func, args, kwargs, level):
     """``F.normalize`` at p=2 (Swin V2's cosine attention, CLIP-style embeddings) runs
-    :class:`NormalizeTwoCopies` at the level's sensitive width (4 bits at L3: its copies' noise
-    reaches attention's scores, and at 2 bits Swin V2's one-step L3 gradient error grew from
-    168% with the input exact to 198%; at 4 bits 170%); any other call runs as PyTorch's,
-    exact, as does a leaf or a
-    view of one (a weight normalised in forward, a cosine classifier's: what PyTorch saves of
-    it is a reference, where copies would add bytes and noise)."""
+    :class:`NormalizeTwoCopies` at the level's sensitive width (its copies' noise reaches
+    attention's scores: at 2 bits Swin V2's gradient noise grew by a sixth, at 4 it stays as
+    with the input exact; docs/training.md). Any other call runs as PyTorch's, exact, as does
+    a leaf or a view of one (a weight normalised in forward, a cosine classifier's: what
+    PyTorch saves of it is a reference, where copies would add bytes and noise)."""
     x = args[0]
     p = arg(args, kwargs, 1, "p", 2.0)
     dim = arg(args, kwargs, 2, "dim", 1)

@@ -52,6 +52,7 @@ __all__ = [
     "inside",
     "positive_after",
     "positive_before",
+    "reduced_count",
     "silu_derivative",
     "value_and_derivative",
     "window_offsets",
@@ -571,6 +572,17 @@ def softsign_derivative(x, _y):
 
 def tanhshrink_derivative(x, _y):
     return torch.tanh(x).square_()
+
+
+def reduced_count(x: torch.Tensor, dim) -> int:
+    """How many elements each result of a reduction of ``x`` over ``dim`` (None: all; an int;
+    a sequence) reads. (A loop: Dynamo traces no generator handed to a builtin.)"""
+    if dim is None:
+        return x.numel()
+    count = 1
+    for d in (dim,) if isinstance(dim, int) else dim:
+        count *= x.shape[d]
+    return count
 
 
 def arg(args: tuple, kwargs: dict, i: int, name: str, default):

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from actune.levels import Level
 from actune.packing.codebooks import gelu_codebook
-from actune.substitutes.functions import arg
+from actune.substitutes.functions import arg, reduced_count
 from actune.substitutes.multihead import decompose
 from actune.traced.attention import PackedAttention, PackedCrossEntropy, RedrawnDropout
 from actune.traced.convolutions import MaskedReLU, PackedBatchNorm, PackedConv
@@ -99,12 +99,7 @@ def _vector_norm(level, args, kwargs):
             or not (dim is None or isinstance(dim, int | tuple | list))):
         return None
     dim = dim if dim is None or isinstance(dim, int) else tuple(dim)
-    reduced = x.numel()
-    if dim is not None:  # (a loop: Dynamo traces no generator passed to a builtin)
-        reduced = 1
-        for d in (dim,) if isinstance(dim, int) else dim:
-            reduced *= x.shape[d]
-    if reduced < 2:
+    if reduced_count(x, dim) < 2:
         return None
     return PackedVectorNorm.apply(x, dim, bool(arg(args, kwargs, 3, "keepdim", False)),
                                   level.other_bits, level.group_size)
