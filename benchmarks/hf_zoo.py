@@ -189,9 +189,9 @@ def without_new_rules():
     """The rules of grouped matmuls, vector 2-norms and F.normalize removed."""
     from actune.rules import RULES
     from actune.rules.matmuls import GROUPED_MATMULS
-    from actune.rules.norms import _VECTOR_NORMS
+    from actune.rules.norms import VECTOR_NORMS
 
-    removed = {f: RULES.pop(f) for f in (*GROUPED_MATMULS, *_VECTOR_NORMS, F.normalize)}
+    removed = {f: RULES.pop(f) for f in (*GROUPED_MATMULS, *VECTOR_NORMS, F.normalize)}
     try:
         yield
     finally:

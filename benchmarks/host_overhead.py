@@ -126,24 +126,35 @@ MODELS = {"resnet18": lambda args: resnet_loss(18, args),
           "llama": llama_loss}
 
 
-def make_step(args: argparse.Namespace, found: list):
-    """The model and batch of ``args`` and a function running one step of them at a level
-    (with a statistics sink appending to ``found`` if asked); returns its CPU time."""
+def make_scoped_step(args: argparse.Namespace):
+    """The model and batch of ``args`` and a function running one step of them inside
+    ``scope()``; returns its CPU time."""
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # the no-op kernels leave the unpacked values unset
     model, loss_of = MODELS[args.model](args)
 
-    def step(level: str, stats: bool) -> float:
+    def step(scope: Callable[[], contextlib.AbstractContextManager]) -> float:
         t = CLOCK()
-        with actune.compressed(level, stats=found.append if stats else None):
+        with scope():
             loss = loss_of()
         loss.backward()
         model.zero_grad(set_to_none=True)
         return CLOCK() - t
 
     no_op_kernels()
+    return step
+
+
+def make_step(args: argparse.Namespace, found: list):
+    """:func:`make_scoped_step` at a level (with a statistics sink appending to ``found`` if
+    asked)."""
+    scoped = make_scoped_step(args)
+
+    def step(level: str, stats: bool) -> float:
+        return scoped(lambda: actune.compressed(level, stats=found.append if stats else None))
+
     return step
 
 
@@ -201,22 +212,8 @@ def floor(args: argparse.Namespace) -> None:
     both, and under ``--level``, each over plain PyTorch's (medians of per-round ratios): what
     any design that routes calls and sees saved tensors in Python costs before doing anything,
     against what actune costs."""
-    torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
-    model, loss_of = MODELS[args.model](args)
-    no_op_kernels()
+    step = make_scoped_step(args)
     scopes = {**_floor_scopes(), args.level: lambda: actune.compressed(args.level)}
-
-    def step(scope) -> float:
-        t = CLOCK()
-        with scope():
-            loss = loss_of()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return CLOCK() - t
-
     for _ in range(3):
         for scope in scopes.values():
             step(scope)

@@ -79,26 +79,37 @@ def models(size: int) -> dict[str, tuple[nn.Module, object, int]]:
     return out
 
 
-def step(module, loss_fn, pixels, labels, level, stats=None, seed: int = 1) -> torch.Tensor:
+def step(module, loss_fn, pixels, labels, scope, seed: int = 1) -> torch.Tensor:
+    """The whole gradient of one step run inside ``scope()`` (rounding seed ``seed``)."""
     module.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    with actune.compressed(level, stats=stats):
+    with scope():
         loss = loss_fn(pixels, labels)
     loss.backward()
     return torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None])
 
 
-def measure(module, loss_fn, size: int, batch: int, level: str, widths=("u8",),
-            seeds: int = 1) -> dict:
+def fixed_batch(module, size: int, batch: int):
+    """A step at a fixed random batch, from the module's state now: ``run(scope, seed)``."""
     module.train()
     gen = torch.Generator().manual_seed(2)
     pixels = torch.randn(batch, 3, size, size, generator=gen)
     labels = torch.randint(0, 10, (batch,), generator=gen)
     state = {k: v.clone() for k, v in module.state_dict().items()}
 
-    def run(lv, stats=None, seed=1):
+    def run(loss_fn, scope, seed: int = 1) -> torch.Tensor:
         module.load_state_dict(state)  # (batch norm's running statistics move each step)
-        return step(module, loss_fn, pixels, labels, lv, stats, seed)
+        return step(module, loss_fn, pixels, labels, scope, seed)
+
+    return run
+
+
+def measure(module, loss_fn, size: int, batch: int, level: str, widths=("u8",),
+            seeds: int = 1) -> dict:
+    batch_run = fixed_batch(module, size, batch)
+
+    def run(lv, stats=None, seed=1):
+        return batch_run(loss_fn, lambda: actune.compressed(lv, stats=stats), seed)
 
     exact = run("L0")
     errors = {w: [((run(w, seed=1 + k) - exact).norm() / exact.norm()).item()
@@ -143,11 +154,7 @@ class _CurrentFunction(torch.overrides.TorchFunctionMode):
 
 def rounding_floor(module, loss_fn, size: int, batch: int, bits: int, seeds: int) -> list[float]:
     """The relative gradient error of the per-group rounding floor at ``bits`` (docstring)."""
-    module.train()
-    gen = torch.Generator().manual_seed(2)  # (the batch ``measure`` uses)
-    pixels = torch.randn(batch, 3, size, size, generator=gen)
-    labels = torch.randint(0, 10, (batch,), generator=gen)
-    state = {k: v.clone() for k, v in module.state_dict().items()}
+    run = fixed_batch(module, size, batch)  # (the batch ``measure`` uses)
     current = _CurrentFunction()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -156,20 +163,15 @@ def rounding_floor(module, loss_fn, size: int, batch: int, bits: int, seeds: int
             return t
         return _round_groups(t, bits)
 
-    def run(hooks: bool, seed: int = 1) -> torch.Tensor:
-        module.load_state_dict(state)
-        module.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        with contextlib.ExitStack() as stack:
-            if hooks:
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-                stack.enter_context(current)
-            loss = loss_fn(pixels, labels)
-        loss.backward()
-        return torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None])
+    def rounded() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        stack.enter_context(current)
+        return stack
 
-    exact = run(False)
-    return [((run(True, 1 + k) - exact).norm() / exact.norm()).item() for k in range(seeds)]
+    exact = run(loss_fn, contextlib.nullcontext)
+    return [((run(loss_fn, rounded, 1 + k) - exact).norm() / exact.norm()).item()
+            for k in range(seeds)]
 
 
 def _errors(values: list[float]) -> str:

@@ -202,7 +202,7 @@ def _lean_norm_args(s, args, kwargs) -> tuple | None:
 
 #: Vector norms, with where their order is passed and its default: the 2-norm's backward,
 #: ``grad * x / norm``, reads the input linearly once the norm (small, exact) is fixed.
-_VECTOR_NORMS = {
+VECTOR_NORMS = {
     torch.linalg.vector_norm: ("ord", 2),
     torch.norm: ("p", "fro"),
     torch.Tensor.norm: ("p", "fro"),
@@ -221,14 +221,14 @@ def _is_two_norm(func, order, x: torch.Tensor, dim) -> bool:
                                                                      and x.dim() == 1)
 
 
-@register(tuple(_VECTOR_NORMS), "norm", None,
+@register(tuple(VECTOR_NORMS), "norm", None,
           "2-norm: input rounded at other bits (backward grad * x / norm, linear in x), the "
           "norm exact; other orders exact", only_input_shape=True)
 def vector_norm(s, func, args, kwargs, level):
     """A 2-norm (ConvNeXt V2's global response norm) saves its input, rounded; its result, a
     reduction, stays exact (as a norm's statistics do)."""
     x = args[0]
-    name, default = _VECTOR_NORMS[func]
+    name, default = VECTOR_NORMS[func]
     dim = arg(args, kwargs, 2, "dim", None)
     if (compressible(x, level) and kwargs.get("out") is None
             and _is_two_norm(func, arg(args, kwargs, 1, name, default), x, dim)
