@@ -25,6 +25,7 @@ from actune.chunked_loss.lm_head import chunk_loss
 from actune.families import default_level
 from actune.inplace import allow_inplace_norms, disallow_inplace_norms
 from actune.levels import Level, get_level
+from actune.packing.kernels import COMPILE
 from actune.session.hooks import active_level, compressed, shared_cache
 from actune.substitutes.fused import FUSED, class_name, fused_of
 from actune.traced import TracedMode, dispatch, traced
@@ -75,7 +76,9 @@ def _inside_own_level(module: nn.Module) -> bool:
     """Eager, and already inside a :func:`compressed` block at the module's own level (the
     model's forward, which a converted model runs under its level): a block of its own would
     change nothing, and entering one costs about as much as a small layer's packing."""
-    return (not torch.compiler.is_compiling()
+    # (is_dynamo_compiling first: Dynamo reads it as a constant and guards on nothing; the
+    # compile session's flag, read outside Dynamo only, is one attribute read, no call)
+    return (not (torch.compiler.is_dynamo_compiling() or COMPILE._is_compiling_flag)
             and active_level() is module.__dict__.get(_LEVEL_ATTR))
 
 

@@ -38,12 +38,19 @@ checkout for its figures; the kernels are stubbed in either).
 ``--floor`` times the step instead under an empty function mode, under identity saved-tensor
 hooks and under both, beside ``--level``, each over plain PyTorch: the part of the level's
 host time that any design routing calls and seeing saved tensors in Python pays first.
+
+``--api compress`` runs the level as ``actune.compress(model, level)`` does (a copy of the
+model converted, its bit allocator attached: the widths allocated, as a user's training loop
+runs it) instead of ``with actune.compressed(level)`` (uniform widths, no allocator).
+
+    python benchmarks/host_overhead.py --api compress [--model llama --batch 1 --tokens 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib
 import os
 import shutil
@@ -104,7 +111,7 @@ def resnet_loss(depth: int, args: argparse.Namespace):
     model = resnet(depth, num_classes=10)  # any input size
     x = torch.randn(args.batch, 3, args.resolution, args.resolution)
     y = torch.randint(0, 10, (args.batch,))
-    return model, lambda: F.cross_entropy(model(x), y)
+    return model, lambda m: F.cross_entropy(m(x), y)
 
 
 def llama_loss(args: argparse.Namespace):
@@ -117,7 +124,7 @@ def llama_loss(args: argparse.Namespace):
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2))
     ids = torch.randint(0, 256, (args.batch, args.tokens))
-    return model, lambda: model(input_ids=ids, labels=ids).loss
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
 
 
 #: --model -> (model, loss function) of the arguments.
@@ -128,31 +135,43 @@ MODELS = {"resnet18": lambda args: resnet_loss(18, args),
 
 def make_scoped_step(args: argparse.Namespace):
     """The model and batch of ``args`` and a function running one step of them inside
-    ``scope()``; returns its CPU time."""
+    ``scope()`` (``converted``: on a copy converted by ``actune.compress`` at ``--level``);
+    returns its CPU time."""
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # the no-op kernels leave the unpacked values unset
     model, loss_of = MODELS[args.model](args)
+    converted = actune.compress(copy.deepcopy(model), args.level)
 
-    def step(scope: Callable[[], contextlib.AbstractContextManager]) -> float:
+    def step(scope: Callable[[], contextlib.AbstractContextManager],
+             on_converted: bool = False) -> float:
+        m = converted if on_converted else model
         t = CLOCK()
         with scope():
-            loss = loss_of()
+            loss = loss_of(m)
         loss.backward()
-        model.zero_grad(set_to_none=True)
+        m.zero_grad(set_to_none=True)
         return CLOCK() - t
 
     no_op_kernels()
+    step.converted = converted
     return step
 
 
 def make_step(args: argparse.Namespace, found: list):
     """:func:`make_scoped_step` at a level (with a statistics sink appending to ``found`` if
-    asked)."""
+    asked); with ``--api compress`` a level other than L0 runs the converted copy, its
+    statistics through ``actune.track_stats``."""
     scoped = make_scoped_step(args)
 
     def step(level: str, stats: bool) -> float:
+        if args.api == "compress" and level != "L0":
+            actune.track_stats(scoped.converted, stats)
+            took = scoped(contextlib.nullcontext, on_converted=True)
+            if stats:
+                found.append(actune.stats_of(scoped.converted))
+            return took
         return scoped(lambda: actune.compressed(level, stats=found.append if stats else None))
 
     return step
@@ -214,13 +233,19 @@ def floor(args: argparse.Namespace) -> None:
     against what actune costs."""
     step = make_scoped_step(args)
     scopes = {**_floor_scopes(), args.level: lambda: actune.compressed(args.level)}
+    if args.api == "compress":  # (the converted copy opens its level itself)
+        scopes[args.level] = contextlib.nullcontext
+
+    def run(name: str) -> float:
+        return step(scopes[name], on_converted=name == args.level and args.api == "compress")
+
     for _ in range(3):
-        for scope in scopes.values():
-            step(scope)
+        for name in scopes:
+            run(name)
     times: dict[str, list[float]] = {name: [] for name in scopes}
     for _ in range(args.rounds):
-        for name, scope in scopes.items():
-            times[name].append(step(scope))
+        for name in scopes:
+            times[name].append(run(name))
     ratios = {name: statistics.median(a / b for a, b in zip(t, times["plain"], strict=True))
               for name, t in times.items() if name != "plain"}
     print(f"{args.model} {_input(args)}, batch {args.batch}, {torch.get_num_threads()} "
@@ -230,8 +255,9 @@ def floor(args: argparse.Namespace) -> None:
 
 
 def _input(args: argparse.Namespace) -> str:
-    return (f"{args.tokens} tokens" if args.model == "llama"
+    size = (f"{args.tokens} tokens" if args.model == "llama"
             else f"{args.resolution}x{args.resolution}")
+    return f"{size} ({args.api}())"
 
 
 def _callgrind(*command: str) -> None:
@@ -272,7 +298,8 @@ def counted(args: argparse.Namespace) -> None:
                      sys.executable, __file__, "--count-child", level, stats,
                      "--steps", str(args.steps), "--batch", str(args.batch),
                      "--model", args.model, "--tokens", str(args.tokens),
-                     "--resolution", str(args.resolution), "--threads", "1"],
+                     "--resolution", str(args.resolution), "--threads", "1",
+                     "--api", args.api],
                     env=env, capture_output=True, text=True, check=True)
                 packed = max(packed, int(done.stdout.split()[-1]))
                 dump = next(Path(tmp).glob(f"{out.name}.*.1-01"))  # the main thread's
@@ -296,6 +323,9 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8, help="tokens a sequence (llama)")
     parser.add_argument("--level", default="L3")
+    parser.add_argument("--api", choices=("compressed", "compress"), default="compressed",
+                        help="the level as `with actune.compressed(level)` (uniform widths) "
+                             "or as `actune.compress(model, level)` (widths allocated)")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--instructions", action="store_true",

@@ -101,7 +101,11 @@ class AutoPrecision:
     reallocations: int = 0
     slots: list[_Slot] = field(default_factory=list)
     _fresh: list[_Slot] = field(default_factory=list, repr=False)
-    _collecting: bool = field(default=False, repr=False)
+    #: True during a statistics step (an attribute, not a property: the routing reads it
+    #: on every call)
+    collecting: bool = field(default=False, init=False, repr=False)
+    #: True while this step's named samples still need their gradient recorded
+    tracking: bool = field(default=False, init=False, repr=False)
     _cursor: int = field(default=0, repr=False)
     _batch: int | None = field(default=None, repr=False)
     _position: int = field(default=0, repr=False)
@@ -112,7 +116,6 @@ class AutoPrecision:
     _ids: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _next_ids: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _weight: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _tracked: bool = field(default=False, repr=False)
     _force: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -128,9 +131,9 @@ class AutoPrecision:
         """A forward pass starts: fold the previous statistics step, if any, and reallocate."""
         if self._fresh:
             self._fold()
-        self._collecting = self.every > 0 and self.steps % self.every == 0
+        self.collecting = self.every > 0 and self.steps % self.every == 0
         if self.steps == 0 or self._force:
-            self._collecting, self._force = True, False
+            self.collecting, self._force = True, False
         self.steps += 1
         self._cursor = 0
         self._position = 0
@@ -138,7 +141,8 @@ class AutoPrecision:
         self._batch = None
         self._fresh = []
         self._ids, self._next_ids = self._next_ids, None
-        self._weight, self._tracked = None, False
+        self._weight = None
+        self.tracking = self.per_sample and self._ids is not None
 
     def samples(self, ids: torch.Tensor | Sequence[int]) -> None:
         """Name the samples of the next step's batch: their indices in the dataset, in batch
@@ -146,11 +150,6 @@ class AutoPrecision:
         the gradient each sample receives is remembered (:attr:`sensitivity`) and weighs its
         rank the next time it comes."""
         self._next_ids = torch.as_tensor(ids, device="cpu").reshape(-1).long()
-
-    @property
-    def tracking(self) -> bool:
-        """True while this step's named samples still need their gradient recorded."""
-        return self.per_sample and self._ids is not None and not self._tracked
 
     def track(self, output: torch.Tensor | None) -> None:
         """Record each named sample's gradient at ``output`` (the first op output of the step
@@ -160,7 +159,7 @@ class AutoPrecision:
                 or not output.requires_grad or output.dim() < 1
                 or output.shape[0] != ids.numel()):
             return
-        self._tracked = True
+        self.tracking = False
         table = self._table(output.device, int(ids.max()) + 1)
         at = ids.to(output.device, non_blocking=True)
 
@@ -200,17 +199,19 @@ class AutoPrecision:
             self._batch = int(t.shape[0]) if t.dim() else 1
         samples = self._samples(t)
         min_bits = max(2 if zero_code else 1, floor)
-        collect = self._collecting and type(t) is torch.Tensor  # not under FakeTensorMode
+        collect = self.collecting and type(t) is torch.Tensor  # not under FakeTensorMode
         if collect:
             self._fresh.append(_Slot(f"{tuple(t.shape)}", t.numel(), samples, min_bits,
                                      zero_code))
         known = self.slots[slot] if slot < len(self.slots) else None
-        weight = self._sample_weight(t.device) if samples > 1 else None
+        weight = (self._sample_weight(t.device) if samples > 1 and self._ids is not None
+                  else None)
         if weight is not None and weight.numel() != samples:
             weight = None
-        if known is None or known.bits is None or known.per_sample_numel != (
+        if known is None or known.bits is None or known.numel // known.samples != (
                 t.numel() // samples) or known.min_bits != min_bits:
-            return Plan(slot, self._default(min_bits), samples, collect=collect, weight=weight)
+            return Plan(slot, widest(self.avg_bits, min_bits), samples, collect=collect,
+                        weight=weight)
         ranks = known.bits
         if not ranks.any():  # zeros are all its readers need: a 1-bit mask
             return Plan(slot, 0, samples, collect=collect)
@@ -228,11 +229,6 @@ class AutoPrecision:
         """Make the next step a statistics step (and reallocate after it)."""
         self._force = True
 
-    @property
-    def collecting(self) -> bool:
-        """True during a statistics step."""
-        return self._collecting
-
     def observe(self, plan: Plan, packed: PackedTensor | PackedSamples | PackedRows,
                 t: torch.Tensor | None = None) -> None:
         """Record the rounding noise of the tensor ``t`` packed for ``plan`` (statistics
@@ -248,7 +244,7 @@ class AutoPrecision:
     def share(self, slot: int) -> None:
         """Slot ``slot`` serves one more saved tensor (statistics steps): the budget counts
         its elements once more, and it keeps them in one packed copy."""
-        if self._collecting and slot < len(self._fresh):
+        if self.collecting and slot < len(self._fresh):
             self._fresh[slot].shares += 1
 
     def watch(self, slots: Sequence[int | tuple[int, torch.Tensor]], output: torch.Tensor,
@@ -269,7 +265,7 @@ class AutoPrecision:
         nearest matmul below (a residual branch's noise, diluted beyond it by the skip path's
         gradient). A slot given as ``(slot, scale)`` is read with its noise times ``scale``
         (a tensor rebuilt from it, :class:`actune.packing.saved.Derived`)."""
-        if not (self._collecting and output.requires_grad and type(output) is torch.Tensor):
+        if not (self.collecting and output.requires_grad and type(output) is torch.Tensor):
             return
         position = self._position
         self._position += 1
@@ -331,9 +327,6 @@ class AutoPrecision:
         if not self.per_sample or n <= 1 or n != batch or t.stride(0) != t.numel() // n:
             return 1
         return n
-
-    def _default(self, min_bits: int) -> int:
-        return widest(self.avg_bits, min_bits)
 
     def _fold(self) -> None:
         """Estimate each slot's cost from the statistics step (one transfer to the host):
@@ -425,7 +418,7 @@ class AutoPrecision:
         out = 0.0
         for s in self.slots:
             if s.cost is not None and s.cost.any():
-                b = max(bits or self._default(1), s.min_bits)
+                b = max(bits or widest(self.avg_bits), s.min_bits)
                 out += float(s.cost.sum()) * NOISE[b] + float(_quartic(s).sum()) * NOISE4[b]
         return out
 

@@ -6,6 +6,7 @@ section 4). NumPy only; :mod:`actune.autoprec.allocator` estimates the costs fro
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -117,6 +118,7 @@ def _greedy(var: np.ndarray, n: np.ndarray, cap: int, lo: np.ndarray) -> np.ndar
     return np.array([CHOICES[k] for k in level], dtype=np.int64)
 
 
+@functools.lru_cache(maxsize=256)  # (asked for every tensor a step packs)
 def widest(bits: float, min_bits: int = 1) -> int:
     """The widest packable width not above ``bits`` (at least ``min_bits``)."""
     return max(max((b for b in CHOICES if b <= bits), default=CHOICES[0]), min_bits)

@@ -42,7 +42,7 @@ def relu(s, func, args, kwargs, level):
     inplace = func in _RELU_INPLACE or (func is F.relu and bool(kwargs.get("inplace")))
     bits = level.matmul_bits or level.other_bits
     if bits is not None and bits >= 2 and x.is_floating_point():
-        if x.numel() < tunables.LEAN_NUMEL and s.allocator() is None:
+        if x.numel() < tunables.LEAN_NUMEL and s.allocating is None:
             return None  # PyTorch's own ReLU; the hooks pack its output ("zeros")
         return PackedReLU.apply(x, inplace, bits, s)
     fn = torch.relu_ if inplace else torch.relu

@@ -66,7 +66,7 @@ def _shared(s, x, shape, weight, bias, eps, rms: bool, level):
     held: list = []
     out = SharedNorm.apply(x, weight, bias, shape, float(eps), rms, s, held)
     saved = held[0]
-    ap = s.allocator()
+    ap = s.allocating
     if ap is not None and saved.slot is not None:  # x_hat's noise is relative: unscaled
         ap.watch([saved.slot], out, 1.0, relayed=True, reach_all=False)
     s.derive(out, saved, weight, bias)
@@ -190,7 +190,7 @@ def _lean_norm_args(s, args, kwargs) -> tuple | None:
             or autocast_dtype(x.device.type) is not None or not isinstance(momentum, float | int)
             or any(t is not None and t.dtype != x.dtype for t in (weight, bias))):
         return None
-    ap = s.allocator()
+    ap = s.allocating
     overwrite = (s.overwritable.pop(x, False) and not x.is_leaf and x._base is None
                  and not (ap is not None and ap.collecting))  # statistics read the input after
     return (x, weight, bias, arg(args, kwargs, 1, "running_mean", None),

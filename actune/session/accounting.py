@@ -54,14 +54,15 @@ def storage_key(t: torch.Tensor, bits: object, bumps: int = 0) -> tuple:
 
 class Accounting:
     """Counts what autograd would keep and what the session keeps instead. Only a statistics
-    ``sink`` or an allocator (whose budget counts a shared slot twice) reads the counts:
-    without either, :attr:`counting` is False and the session skips them (most of the hooks'
-    work on a tensor kept as it is)."""
+    ``sink`` or an allocator on its statistics step (whose budget counts a slot shared by
+    two saved tensors twice, once per storage) reads the counts: without either,
+    :attr:`counting` is False and the session skips them (most of the hooks' work on a tensor
+    kept as it is; an allocated step between statistics steps counts nothing)."""
 
     def __init__(self) -> None:
         self.stats = CompressionStats()
         self.sink: Callable[[CompressionStats], None] | None = None
-        self.budgeted = False  # an allocator is attached
+        self.budgeted = False  # an allocator on its statistics step is attached
         self.counting = False  # sink or budgeted (kept up to date by the setters below)
         self.seen: dict[tuple, StorageWeakRef] = {}
         self.seen_limit = tunables.SEEN_LIMIT  # entries before the dead ones are dropped

@@ -112,6 +112,7 @@ class Session:
         self.cache = PackedCache()
         self.packer = Packer(self, self.accounting, self.cache)
         self.autoprec: AutoPrecision | None = None
+        self.allocating: AutoPrecision | None = None  # see _update_allocating
         self.levels: list[Level] = []
         self.level: Level | None = None  # the innermost level (levels[-1]), None outside
         self.widths: dict[str | None, int | None] = {None: None}  # see _set_level
@@ -142,9 +143,9 @@ class Session:
         step of it when gradients are recorded; returns the allocator to restore on exit."""
         previous = self.autoprec
         if autoprec is not None:
-            self.set_allocator(autoprec)
             if torch.is_grad_enabled():
                 autoprec.begin_step()
+            self.set_allocator(autoprec)
         return previous
 
     def routing(self) -> FunctionMode:
@@ -154,13 +155,16 @@ class Session:
 
     def set_allocator(self, autoprec: AutoPrecision | None) -> None:
         self.autoprec = autoprec
-        self.accounting.set_budgeted(autoprec is not None)
+        # (only a statistics step's budget reads which storages were seen: see _derived)
+        self.accounting.set_budgeted(autoprec is not None and autoprec.collecting)
+        self._update_allocating()
 
-    def allocator(self) -> AutoPrecision | None:
-        """The allocator choosing bits now (a level with ``avg_bits`` and one attached)."""
-        ap = self.autoprec
-        level = self.level
-        return ap if ap is not None and level is not None and level.avg_bits is not None else None
+    def _update_allocating(self) -> None:
+        """:attr:`allocating`: the allocator choosing bits now (a level with ``avg_bits`` and
+        one attached), else None; kept up to date where either changes (read per call)."""
+        ap, level = self.autoprec, self.level
+        self.allocating = (ap if ap is not None and level is not None
+                           and level.avg_bits is not None else None)
 
     def keep(self, t: torch.Tensor, new: bool, label: str | None = None) -> torch.Tensor:
         """Keep ``t`` as it is, accounted under the op saving it (or ``label``)."""
@@ -226,7 +230,7 @@ class Session:
             # a norm's own statistics (mean, rstd): kept exact, and named so (not the norm's
             # input, which the report would otherwise seem to say)
             return self.keep(t, new, f"{op_name(op.op)} statistics")
-        ap = None if self.autoprec is None else self.allocator()
+        ap = self.allocating
         by_feature = op.features and not (ap is not None and ap.splits_samples(t))
         if ap is not None and kind is not NARROW:  # (a narrow input's width is fixed)
             return self.packer.pack_allocated(t, kind, by_feature)
@@ -320,7 +324,7 @@ class Session:
         else:
             derived = Derived(base, weight, bias, t.shape, factor,  # (as this saver views it)
                               entry[7])
-        ap = self.allocator()
+        ap = self.allocating
         if base.slot is None and ((ap is not None and factor is None and entry[7] is None)
                                   or (derived.bits or 0) < bits):
             return None  # (fixed-width bases: a product's operands, a function's input)
@@ -357,6 +361,7 @@ class Session:
 
     def _set_level(self, level: Level | None) -> None:
         self.level = level
+        self._update_allocating()
         # each rule-bits kind's width at this level, computed once (None: kept exact)
         self.widths = {None: None, **({} if level is None else {
             kind: width(level) for kind, width in _WIDTHS.items()})}

@@ -76,7 +76,8 @@ class Packer:
             found.slot = slot
             self.cache.remember(key, t, found)
         found.readers += 1
-        self.touch(found.slot)
+        if self.touched is not None and found.slot is not None:  # (touch, inline)
+            self.touched.append(found.slot)
         return found
 
     def _quantize_planned(self, t: torch.Tensor, zero_code: bool, floor: int = 1,
@@ -94,7 +95,8 @@ class Packer:
                                       group_size=group, zero_code=zero_code, weight=plan.weight)
         else:
             packed = self._quantize(t, plan.bits, zero_code, by_feature)
-        ap.observe(plan, packed, t)
+        if plan.collect:
+            ap.observe(plan, packed, t)
         return packed, plan.slot
 
     def _seeds(self, n: int = 1) -> int:
@@ -147,7 +149,7 @@ class Packer:
         function marks it dirty, which bumps its version once more after forward). ``reads``:
         this op's backward reads the rounded values (not only its exact zeros). ``by_feature``:
         each group one feature's values (:mod:`actune.packing.columns`)."""
-        if self.session.allocator() is not None:
+        if self.session.allocating is not None:
             # a derivative at one bit keeps only its group's ends: 2 at least
             packed, slot = self._quantize_planned(t, zero_code,
                                                   2 if kind == "derivative" else 1, by_feature)

@@ -166,9 +166,12 @@ class FunctionMode(TorchFunctionMode):
         except (KeyError, TypeError):
             rule, label = _route_of(func)
         s = self.s
-        if rule is None and s.autoprec is None and s.reentrant_level is None:
+        ap = s.allocating
+        if rule is None and s.reentrant_level is None and (
+                ap is None or not (ap.collecting or ap.tracking)):
             # most calls (views, additions, a model's own plumbing): what they save stays
-            # exact, so the label says no rule, with no further test of the call
+            # exact, so the label says no rule, with no further test of the call (an
+            # allocator's statistics step watches them, and its first output is tracked)
             previous, s.label = s.label, label
             try:
                 return func(*args, **(kwargs or {}))
@@ -201,7 +204,7 @@ class FunctionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if s.reentrant_level is not None:  # a reentrant checkpoint's output, maybe
             s.reentrant_outputs(args)
-        ap = None if s.autoprec is None else s.allocator()
+        ap = s.allocating
         if ap is None or not ap.collecting:
             out = self._run(func, rule, args, kwargs)
             if ap is not None and ap.tracking:

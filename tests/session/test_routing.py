@@ -96,3 +96,54 @@ def test_a_rule_changed_after_a_call_applies_to_the_next():
     finally:
         RULES[torch.sigmoid] = own
     assert packed(torch.sigmoid) == 1
+
+
+def test_a_converted_model_reads_no_value_back_on_the_meta_device():
+    # compress(): the allocator's statistics step (the first) watches every op's output and
+    # plans every slot without a host read either; the next step's fold is the one transfer.
+    # (A causal LM is called with use_cache=True: without a cache, which compress() does not
+    # build unless asked, Hugging Face's own check for packed sequences reads a value back.)
+    models = _meta_models()
+    llama, _ = models["llama"]
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    models["llama"] = (llama, lambda m: m(input_ids=ids, labels=ids, use_cache=True).loss)
+    for name, (model, loss_of) in models.items():
+        model.to("meta").train()
+        actune.track_stats(actune.compress(model, "L3"))
+        loss_of(model).backward()
+        assert actune.stats_of(model).packed >= 3, name
+        assert actune.autoprec_of(model).collecting, name
+
+
+class _Cumulative(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumprod(x, -1)  # (no rule: what it saves stays exact)
+
+
+def test_a_converted_step_between_statistics_steps_routes_only_ruled_calls(monkeypatch):
+    # Between the allocator's statistics steps a call without a rule runs at once, as under
+    # compressed(), and nothing is counted; a statistics step watches every call and counts
+    # each storage once (its budget's shared slots)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _Cumulative(), nn.ReLU(), nn.Linear(32, 4))
+    actune.compress(model, "L3", every=2)
+    routed = []
+    run = routing.FunctionMode._routed
+
+    def spy(self, func, rule, args, kwargs):
+        routed.append((func, rule is not None, self.s.accounting.counting))
+        return run(self, func, rule, args, kwargs)
+
+    monkeypatch.setattr(routing.FunctionMode, "_routed", spy)
+    x = torch.randn(8, 16)
+    steps = []
+    for _ in range(3):
+        routed.clear()
+        model(x).square().mean().backward()
+        steps.append(list(routed))
+    statistics, between, again = steps
+    assert (torch.cumprod, False, True) in statistics
+    assert all(counting for *_, counting in statistics)
+    assert between and all(ruled and not counting for _, ruled, counting in between)
+    assert {func for func, *_ in between} == {F.linear, F.relu}
+    assert again == statistics  # (every=2: the third step collects again)
