@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run of under 8.5 minutes (the section limits sum to
-# 490 s); results go to the folder OUT:
+# 500 s); results go to the folder OUT:
 #   bash scripts/gpu_check.sh OUT
 # gpu_check.log (everything printed), at_max.json, bench.json, train.json.
 # Sections (each bounded by its own timeout, so one failure does not lose the others):
 # 1. the environment (GPU, driver, torch, numba-cuda);
 # 2. the CUDA kernels against the CPU reference, byte for byte, on large tensors, their
 #    throughput against torch clone on the GPU, and the host time per launch;
-# 3. where a compressed step's time goes (scripts/gpu_profile.py: host vs GPU time, syncs);
+# 3. where a compressed step's time goes (scripts/gpu_profile.py: host vs GPU time, syncs;
+#    u2 under compressed() and L3 under compress(), its allocator's statistics step included);
 # 4. the GPU memory model against the GPU: predicted and measured allocated and reserved
 #    peaks, ResNet-50 (batch 64) and GPT-2 small (4 x 512) at L0 and L3, with the
 #    allocator's own traces (memory_*.pickle) for a diff by allocation (scripts/gpu_memory.py);
@@ -69,7 +70,7 @@ export -f actune env_report kernels
 export PY
 section environment 25 env_report
 section kernels 50 kernels
-section profile 35 "$PY" scripts/gpu_profile.py
+section profile 45 "$PY" scripts/gpu_profile.py
 section memory_model 100 "$PY" scripts/gpu_memory.py --out "$out"
 section bench 70 actune bench --model resnet50 --resolution 224 --batch 64 --levels L0-L5 \
     --steps 5 --warmup 2 --json "$out/bench.json"

@@ -30,6 +30,8 @@ def test_gpu_profile_runs_on_the_cpu():
                  "--resolution", "8", "--batch", "8"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "L0: step" in done.stdout and "u2: step" in done.stdout
+    assert "L3 compress(): step" in done.stdout
+    assert "L3 compress(): synchronising calls in a statistics step and the next: 0" in done.stdout
     assert "pack" in done.stdout  # the busiest host functions include the packing
 
 
