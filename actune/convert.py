@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from dataclasses import asdict, dataclass
 
@@ -179,12 +180,59 @@ def _supported(cls: type[nn.Module]) -> str | None:
     return None
 
 
+class _RootForward:
+    """A converted model's ``forward`` (an attribute of the instance): its own forward, under
+    the traced rules at the model's level while Dynamo traces it (uniform widths, no
+    allocator), so that the functional calls between its layers (attention, inline
+    activations, the loss a model computes itself) follow the same rules in a compiled
+    graph. Entered here, in the frame Dynamo compiles, not in the forward pre-hook: Dynamo
+    compiles a hook as a frame of its own and replays its mode push at run time, so the
+    compiled forward would then run every op of its run-time code through the Python mode
+    (docs/benchmarks.md, "Host work"). Eager calls run the forward as it is (the hooks open
+    the level). Pickles and deep-copies with its model."""
+
+    def __init__(self, module: nn.Module, inner=None) -> None:
+        self.module = module
+        self.inner = inner  # an instance forward of the model's own, if it had one
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        if traced():
+            with TracedMode(module.__dict__[_ROOT_LEVEL_ATTR]):
+                return self._forward(*args, **kwargs)
+        return self._forward(*args, **kwargs)
+
+    def _forward(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # (the model's own: Hugging Face's Trainer keeps the dataset columns it names)
+        own = self.inner if self.inner is not None else \
+            type(self.module).forward.__get__(self.module)
+        return inspect.signature(own)
+
+
+def _wrap_forward(model: nn.Module) -> None:
+    if not isinstance(model.__dict__.get("forward"), _RootForward) and \
+            type(model) not in _COUNTERPARTS.values():  # (a layer enters the rules itself)
+        model.forward = _RootForward(model, model.__dict__.get("forward"))
+
+
+def _unwrap_forward(model: nn.Module) -> None:
+    wrapper = model.__dict__.get("forward")
+    if isinstance(wrapper, _RootForward):
+        del model.forward
+        if wrapper.inner is not None:
+            model.forward = wrapper.inner
+
+
 def _enter_forward(module, _args):
     # the whole forward runs under the model's level: the functional calls between layers
     # (attention, inline activations, the loss a model computes itself) follow the same rules
-    if traced():  # traced rules at uniform widths (no allocator)
-        module._actune_cache = TracedMode(module.__dict__[_ROOT_LEVEL_ATTR])
-        module._actune_cache.__enter__()
+    if traced():  # (compiled: the traced rules, entered by _RootForward)
         return
     ap = module.__dict__.get(_AUTOPREC_ATTR) if module.training else None
     stack = contextlib.ExitStack()
@@ -230,9 +278,7 @@ def count_compiled(model: nn.Module) -> contextlib.AbstractContextManager:
 
 def _exit_forward(module, _args, _output):
     stack = module.__dict__.pop("_actune_cache", None)
-    if isinstance(stack, TracedMode):
-        stack.__exit__(None, None, None)
-    elif stack is not None:
+    if stack is not None:
         stack.close()
 
 
@@ -284,6 +330,7 @@ def compress(model: nn.Module, level: str | Level | None = None, *, every: int =
     if not hasattr(model, "_actune_handles"):
         model._actune_handles = (model.register_forward_pre_hook(_enter_forward),
                                  model.register_forward_hook(_exit_forward, always_call=True))
+    _wrap_forward(model)
     if inplace:
         allow_inplace_norms(model)
     else:
@@ -323,6 +370,7 @@ def decompress(model: nn.Module) -> nn.Module:
         _restore(module)
     for handle in model.__dict__.pop("_actune_handles", ()):
         handle.remove()
+    _unwrap_forward(model)
     model.__dict__.pop(_AUTOPREC_ATTR, None)
     model.__dict__.pop(_ROOT_LEVEL_ATTR, None)
     disallow_inplace_norms(model)

@@ -44,6 +44,12 @@ model converted, its bit allocator attached: the widths allocated, as a user's t
 runs it) instead of ``with actune.compressed(level)`` (uniform widths, no allocator).
 
     python benchmarks/host_overhead.py --api compress [--model llama --batch 1 --tokens 8]
+
+``--compiled`` runs both steps under ``torch.compile`` (Inductor; the kernels stubbed in the
+custom ops the graphs call): the host work a compiled step keeps, where no Python runs per op.
+
+    python benchmarks/host_overhead.py --api compress --compiled --model llama --batch 1 \
+        --tokens 64
 """
 
 from __future__ import annotations
@@ -143,10 +149,13 @@ def make_scoped_step(args: argparse.Namespace):
     torch.set_flush_denormal(True)  # the no-op kernels leave the unpacked values unset
     model, loss_of = MODELS[args.model](args)
     converted = actune.compress(copy.deepcopy(model), args.level)
+    step_converted = converted  # (what a step calls: compiled with --compiled)
+    if args.compiled:  # (compiled at their first steps, the warm-up rounds')
+        model, step_converted = torch.compile(model), torch.compile(converted)
 
     def step(scope: Callable[[], contextlib.AbstractContextManager],
              on_converted: bool = False) -> float:
-        m = converted if on_converted else model
+        m = step_converted if on_converted else model
         t = CLOCK()
         with scope():
             loss = loss_of(m)
@@ -167,10 +176,12 @@ def make_step(args: argparse.Namespace, found: list):
 
     def step(level: str, stats: bool) -> float:
         if args.api == "compress" and level != "L0":
-            actune.track_stats(scoped.converted, stats)
-            took = scoped(contextlib.nullcontext, on_converted=True)
+            model = scoped.converted
+            actune.track_stats(model, stats)  # (a compiled step's: counted by count_compiled)
+            took = scoped((lambda: actune.count_compiled(model)) if args.compiled
+                          else contextlib.nullcontext, on_converted=True)
             if stats:
-                found.append(actune.stats_of(scoped.converted))
+                found.append(actune.stats_of(model))
             return took
         return scoped(lambda: actune.compressed(level, stats=found.append if stats else None))
 
@@ -257,7 +268,7 @@ def floor(args: argparse.Namespace) -> None:
 def _input(args: argparse.Namespace) -> str:
     size = (f"{args.tokens} tokens" if args.model == "llama"
             else f"{args.resolution}x{args.resolution}")
-    return f"{size} ({args.api}())"
+    return f"{size} ({args.api}(){', compiled' if args.compiled else ''})"
 
 
 def _callgrind(*command: str) -> None:
@@ -299,7 +310,7 @@ def counted(args: argparse.Namespace) -> None:
                      "--steps", str(args.steps), "--batch", str(args.batch),
                      "--model", args.model, "--tokens", str(args.tokens),
                      "--resolution", str(args.resolution), "--threads", "1",
-                     "--api", args.api],
+                     "--api", args.api, *(["--compiled"] if args.compiled else [])],
                     env=env, capture_output=True, text=True, check=True)
                 packed = max(packed, int(done.stdout.split()[-1]))
                 dump = next(Path(tmp).glob(f"{out.name}.*.1-01"))  # the main thread's
@@ -331,6 +342,8 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions under Valgrind instead of timing")
     parser.add_argument("--steps", type=int, default=4, help="steps counted (--instructions)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="both models under torch.compile (Inductor)")
     parser.add_argument("--floor", action="store_true",
                         help="time an empty function mode and identity hooks against --level")
     parser.add_argument("--count-child", nargs=2, help=argparse.SUPPRESS)

@@ -2,6 +2,7 @@
 
 import copy
 import datetime
+import inspect
 import io
 import math
 import os
@@ -383,6 +384,15 @@ def test_checkpoints_load_both_ways_and_compressed_models_pickle():
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert is_compressed(loaded)
+    # its forward (the instance's: the traced rules' entry under torch.compile) is the
+    # copy's own, in a load and a deep copy alike, and names the model's arguments
+    twin = copy.deepcopy(comp)
+    x = cnn_case()[1][0]
+    comp.eval()
+    for model in (loaded, twin):
+        assert model.forward.module is model
+        assert list(inspect.signature(model.forward).parameters) == ["input"]
+        assert torch.equal(model.eval()(x), comp(x))
 
 
 def test_compress_twice_then_decompress_restores_plain_layers():

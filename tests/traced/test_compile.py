@@ -6,6 +6,7 @@ Models are tiny: each compile takes seconds of the suite's time."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 
 import pytest
@@ -238,8 +239,27 @@ def test_hugging_face_gpt2_compiles_to_one_graph_with_its_loss():
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
     assert abs(loss.item() - exact.item()) < 1e-4  # (the forward is exact: only saved copies)
+    # the traced rules' mode is entered inside the compiled forward, so the graph's run-time
+    # code runs no op through it (entered in a hook, Dynamo would replay it around the graph)
+    from actune.traced import rules
+
+    at_run_time = []
+    dispatch = rules.dispatch
+
+    def spy(level, func, args, kwargs):
+        if not torch.compiler.is_dynamo_compiling():
+            at_run_time.append(func)
+        return dispatch(level, func, args, kwargs)
+
+    rules.dispatch = spy
+    try:
+        compiled(input_ids=IDS, labels=IDS).loss.backward()
+    finally:
+        rules.dispatch = dispatch
+    assert at_run_time == []
+    assert {"input_ids", "labels"} <= set(inspect.signature(model.forward).parameters)
     actune.decompress(model)
-    assert model.loss_type is None
+    assert model.loss_type is None and "forward" not in model.__dict__
 
 
 class _TiedLM(nn.Module):
