@@ -24,6 +24,10 @@ __all__ = ["OTHER", "Packer"]
 
 OTHER = "other"  # the level's width for elementwise ops' operands (see actune.session.hooks)
 _ALLOCATED = "allocated"  # cache-key marker: bits chosen by the allocator
+#: what a substitute packs that takes 2 bits at least from the allocator: a derivative (at one
+#: bit it keeps only its group's ends) and softmax's copies, read as a product of the two in
+#: backward (one bit's noise in each, multiplied: docs/autoprec.md)
+_TWO_BITS_AT_LEAST = frozenset({"derivative", "softmax", "norm"})
 
 
 class Packer:
@@ -69,8 +73,11 @@ class Packer:
             found = None  # kept as a mask only (no reader at the last statistics step)
         if found is None:
             # an elementwise op's operand takes 2 bits at least, as a derivative does: at one
-            # bit its noise is larger than the activation itself (a norm's input may take 1)
-            floor = 2 if kind == OTHER and self.session.label.only_shape is None else 1
+            # bit its noise is larger than the activation itself (a norm's input may take 1);
+            # so does an operand of a product of two activations (attention's q k^T, p v),
+            # whose backward multiplies its noise by the other operand's (docs/autoprec.md)
+            label = self.session.label
+            floor = 2 if (kind == OTHER and label.only_shape is None) or label.pair else 1
             packed, slot = self._quantize_planned(t, False, floor, by_feature)
             found = self._hold(self._new(packed), kind)
             found.slot = slot
@@ -152,7 +159,8 @@ class Packer:
         if self.session.allocating is not None:
             # a derivative at one bit keeps only its group's ends: 2 at least
             packed, slot = self._quantize_planned(t, zero_code,
-                                                  2 if kind == "derivative" else 1, by_feature)
+                                                  2 if kind in _TWO_BITS_AT_LEAST else 1,
+                                                  by_feature)
             saved = self._hold(self._new(packed), kind, replaces)
             saved.slot = slot
             if reads:

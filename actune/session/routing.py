@@ -98,24 +98,26 @@ class OpLabel:
     the level's widths its rule names (``kind``), a norm's input shape (``only_shape``: only
     tensors of that shape are rounded) and the ids of its references (weight, buffers), whether
     it saves features-last tensors, the ids it keeps exact on purpose (a broadcast operand)
-    and the shapes of the frozen weights a matmul reads. One object a call, swapped in and
+    and the shapes of the frozen weights a matmul reads, and whether it multiplies two
+    activations (``pair``: each operand's rounding noise meets the other's in backward). One
+    object a call, swapped in and
     out whole: a call without a rule shares its function's own, made once (``_ROUTES``); a
     rule's call gets a fresh one (:func:`_label`), which its rule may add ``exact_ids`` to."""
 
-    __slots__ = ("exact_ids", "features", "frozen_shapes", "kind", "only_shape", "op",
+    __slots__ = ("exact_ids", "features", "frozen_shapes", "kind", "only_shape", "op", "pair",
                  "references")
 
     def __init__(self, op=None, kind: str | None = None, only_shape: torch.Size | None = None,
                  references: set[int] | tuple = (), features: bool = False,
-                 frozen_shapes: frozenset | tuple = ()) -> None:
+                 frozen_shapes: frozenset | tuple = (), pair: bool = False) -> None:
         self.op, self.kind, self.only_shape, self.references = op, kind, only_shape, references
-        self.features, self.frozen_shapes = features, frozen_shapes
+        self.features, self.frozen_shapes, self.pair = features, frozen_shapes, pair
         self.exact_ids: set[int] | tuple = ()
 
     def with_kind(self, kind: str | None) -> OpLabel:
         """This label, but naming the level's ``kind`` width."""
         label = OpLabel(self.op, kind, self.only_shape, self.references, self.features,
-                        self.frozen_shapes)
+                        self.frozen_shapes, self.pair)
         label.exact_ids = self.exact_ids
         return label
 
@@ -306,7 +308,7 @@ def _label(s, func, rule, args, kwargs) -> OpLabel:
     if (features and matmul and s.level is not None
             and _widens(s.level, func, args, kwargs)):
         kind = NARROW
-    return OpLabel(func, kind, only, refs, features, frozen)
+    return OpLabel(func, kind, only, refs, features, frozen, matmul and not with_weight)
 
 
 class LabelMode(FunctionMode):
