@@ -160,12 +160,23 @@ def _quiet(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
+def _built(name: str) -> tuple[str, torch.nn.Module]:
+    """The zoo's ``name``: its input kind and the model, seeded, training, dropout off."""
+    kind, build = ZOO[name]
+    torch.manual_seed(0)
+    model = build()
+    model.train()
+    _quiet(model)
+    return kind, model
+
+
 def _gradient(model: torch.nn.Module, loss: Callable[[], torch.Tensor], seed: int,
-              level: str | None = None) -> torch.Tensor:
-    """The whole gradient of one step, under ``compressed(level)`` if a level is given."""
+              level: str | None = None, stats=None) -> torch.Tensor:
+    """The whole gradient of one step, under ``compressed(level, stats=stats)`` if a level is
+    given."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    with actune.compressed(level) if level else contextlib.nullcontext():
+    with actune.compressed(level, stats=stats) if level else contextlib.nullcontext():
         value = loss()
     value.backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
@@ -174,11 +185,7 @@ def _gradient(model: torch.nn.Module, loss: Callable[[], torch.Tensor], seed: in
 def allocator_errors(name: str, level: str) -> tuple[float, float]:
     """One-step gradient error against exact at ``level``: uniform widths, then the bit
     allocator's (a converted copy, after its statistics step; seeds 3-5, mean)."""
-    kind, build = ZOO[name]
-    torch.manual_seed(0)
-    model = build()
-    model.train()
-    _quiet(model)
+    kind, model = _built(name)
     exact = _gradient(model, loss_of(kind, model), 1)
 
     def error(m: torch.nn.Module, lv: str | None) -> float:
@@ -195,22 +202,13 @@ def allocator_errors(name: str, level: str) -> tuple[float, float]:
 
 
 def measure(name: str, level: str, gradients: bool) -> dict:
-    kind, build = ZOO[name]
-    torch.manual_seed(0)
-    model = build()
-    model.train()
-    _quiet(model)
+    kind, model = _built(name)
     loss = loss_of(kind, model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
     def step(lv: str, stats=None, seed: int = 1) -> torch.Tensor:
         model.load_state_dict(state)
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        with actune.compressed(lv, stats=stats):
-            value = loss()
-        value.backward()
-        return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        return _gradient(model, loss, seed, lv, stats)
 
     found: list = []
     step(level, found.append)

@@ -25,8 +25,9 @@ __all__ = ["OTHER", "Packer"]
 OTHER = "other"  # the level's width for elementwise ops' operands (see actune.session.hooks)
 _ALLOCATED = "allocated"  # cache-key marker: bits chosen by the allocator
 #: what a substitute packs that takes 2 bits at least from the allocator: a derivative (at one
-#: bit it keeps only its group's ends) and softmax's copies, read as a product of the two in
-#: backward (one bit's noise in each, multiplied: docs/autoprec.md)
+#: bit it keeps only its group's ends), softmax's copies (read as a product of the two in
+#: backward) and a layer norm's normalised input (read times itself): one bit's noise in each,
+#: multiplied (docs/autoprec.md)
 _TWO_BITS_AT_LEAST = frozenset({"derivative", "softmax", "norm"})
 
 
@@ -157,7 +158,6 @@ class Packer:
         this op's backward reads the rounded values (not only its exact zeros). ``by_feature``:
         each group one feature's values (:mod:`actune.packing.columns`)."""
         if self.session.allocating is not None:
-            # a derivative at one bit keeps only its group's ends: 2 at least
             packed, slot = self._quantize_planned(t, zero_code,
                                                   2 if kind in _TWO_BITS_AT_LEAST else 1,
                                                   by_feature)
