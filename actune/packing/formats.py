@@ -69,11 +69,14 @@ class PackedColumns(PackedTensor):
 @dataclass(frozen=True)
 class PackedSamples:
     """A tensor whose samples (along dim 0) were quantized with different bits: ``parts``
-    holds, per bit width, the indices of its samples and their packed rows."""
+    holds, per bit width, the indices of its samples and their packed rows, each row in the
+    tensor's memory order; ``stride``: that order where it is not row-major (a features-last
+    copy, a channels-last input), None where it is."""
 
     parts: tuple[tuple[torch.Tensor, PackedTensor], ...]
     shape: torch.Size
     dtype: torch.dtype
+    stride: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:

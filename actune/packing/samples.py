@@ -41,7 +41,11 @@ def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
     x = x.detach()
     dense = storage_order(x)
     per_sample = x.numel() // max(n, 1)
-    rows = x.reshape(n, -1) if dense is None or x.is_contiguous() else dense.reshape(n, -1)
+    # (a dense tensor whose samples lead its memory is read in its memory order, no copy;
+    # its strides are kept to lay the values out again)
+    in_memory = (dense is not None and not x.is_contiguous() and n > 1
+                 and x.stride(0) == per_sample)
+    rows = dense.reshape(n, -1) if in_memory else x.reshape(n, -1)
     key = row_norms(rows)
     if weight is not None:
         key = key * weight.to(key.device, torch.float32)
@@ -55,7 +59,8 @@ def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
             at += k
             parts.append((idx, quantize(rows.index_select(0, idx), bits,
                                         group_size=group_size, zero_code=zero_code)))
-        return PackedSamples(tuple(parts), x.shape, x.dtype)
+        return PackedSamples(tuple(parts), x.shape, x.dtype,
+                             tuple(x.stride()) if in_memory else None)
     from actune_kernels import cpu_rows as kernels
 
     by_rank = torch.tensor([b for b, k in runs for _ in range(k)], dtype=torch.uint8)
@@ -74,8 +79,8 @@ def quantize_samples(x: torch.Tensor, runs: tuple[tuple[int, int], ...], *,
 
 
 def dequantize_samples(p: PackedSamples | PackedRows) -> torch.Tensor:
-    """The tensor ``p`` was made from, up to quantization error (:class:`PackedRows`: same
-    strides; :class:`PackedSamples`: contiguous)."""
+    """The tensor ``p`` was made from, up to quantization error, with its strides
+    (:class:`PackedSamples` of a row-major tensor: contiguous)."""
     if isinstance(p, PackedRows):
         from actune_kernels import cpu_rows as kernels
 
@@ -88,5 +93,7 @@ def dequantize_samples(p: PackedSamples | PackedRows) -> torch.Tensor:
     out = torch.empty((n, math.prod(p.shape[1:])), dtype=p.dtype, device=p.device)
     for idx, part in p.parts:
         out.index_copy_(0, idx, dequantize(part))
+    if p.stride is not None:  # (the rows are in the tensor's memory order)
+        return out.view(-1).as_strided(p.shape, p.stride)
     return out.view(p.shape)
 

@@ -166,6 +166,28 @@ def test_per_sample_packing_gives_each_sample_its_bits(channels):
         quantize_samples(x, ((2, 5),))
 
 
+@pytest.mark.parametrize("layout", ["features first", "channels last",
+                                    "channels last, whole groups"])
+def test_per_sample_packing_keeps_a_tensors_memory_order(layout):
+    """A dense tensor whose memory is not row-major (a norm's copy laid out features first, a
+    channels-last input) comes back with its own values in its own strides: its rows are
+    packed in memory order, gathered (a sample not whole groups) or in place."""
+    from actune.packing.columns import feature_major
+
+    torch.manual_seed(0)
+    x = {"features first": lambda: feature_major(torch.randn(4, 65, 128)),
+         "channels last": lambda: torch.randn(4, 5, 7, 7).to(memory_format=torch.channels_last),
+         "channels last, whole groups": lambda: torch.randn(4, 64, 8, 8).to(
+             memory_format=torch.channels_last)}[layout]()
+    assert not x.is_contiguous()
+    packed = quantize_samples(x, ((8, 2), (4, 2)))
+    y = dequantize_samples(packed)
+    assert y.shape == x.shape and y.stride() == x.stride()
+    err = (y - x).flatten(1).norm(dim=1) / x.flatten(1).norm(dim=1)
+    assert err.max() < 0.2, err  # (values laid out in another order: about 1.4)
+    assert sorted(err.tolist())[:2] == pytest.approx([0, 0], abs=0.02)  # two samples at 8 bits
+
+
 def test_rows_kernel_writes_the_bytes_of_uniform_packing_row_by_row():
     from actune_kernels import cpu, cpu_rows
 

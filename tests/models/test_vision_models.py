@@ -129,11 +129,20 @@ def convnext():
         hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], num_labels=10))
 
 
-@pytest.mark.parametrize("make", [swin_v2, convnext], ids=lambda f: f.__name__)
+def vit():
+    """Layer norms' copies laid out features first, some samples of them at other widths."""
+    return _hf(transformers.ViTForImageClassification, transformers.ViTConfig(
+        image_size=64, patch_size=8, num_hidden_layers=2, hidden_size=128,
+        intermediate_size=256, num_attention_heads=4, num_labels=10, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+@pytest.mark.parametrize("make", [swin_v2, convnext, vit], ids=lambda f: f.__name__)
 def test_the_bit_allocators_widths_are_no_noisier_than_uniform_ones(make):
     # the allocator once gave one bit to what its cost model cannot price there (attention's
     # products and softmax, layer norms' inputs): Swin V2's gradient error at L3 rose to 75x
-    # the uniform widths', ConvNeXt's to 1.5x (docs/autoprec.md)
+    # the uniform widths', ConvNeXt's to 1.5x (docs/autoprec.md); and a features-first copy
+    # whose samples took two widths came back in another order (ViT: 1.5x)
     torch.manual_seed(0)
     model, _ = make()
     model.train()
