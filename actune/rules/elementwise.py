@@ -87,7 +87,7 @@ def product(s, func, args, kwargs, level):
         return None
     if a.shape != b.shape:
         n = max(a.numel(), b.numel())
-        s.label.exact_ids = {id(t) for t in (a, b) if t.numel() < n}
+        s.label.exact_ids = {id(t): "broadcast operand" for t in (a, b) if t.numel() < n}
         return None  # the op as it is; the hooks pack the rest at other bits
     if (func in _OUT_OF_PLACE and len(args) + len(kwargs) == 2 and a.requires_grad
             and b.requires_grad and compressible(a, level) and a.dtype == b.dtype):

@@ -42,7 +42,7 @@ register(GROUPED_MATMULS, "matmul", "matmul", _KEEPS + _BY_FEATURE + "; mixture-
 
 @register((F.linear,), "matmul", "matmul",
           _KEEPS + _BY_FEATURE + "; a marked language model head's logits lazy (computed "
-          "in chunks by the loss)", features_last=True)
+          "in chunks by the loss)", features_last=True, weight_at=1)
 def linear(s, func, args, kwargs, level):
     """A head :func:`actune.chunk_loss` marked returns :class:`LazyLogits`; every other linear
     layer runs as it is (its input packed by the hooks)."""
@@ -50,13 +50,16 @@ def linear(s, func, args, kwargs, level):
     if not is_head(weight):
         return None
     return LazyHead.apply(args[0], weight, arg(args, kwargs, 2, "bias", None))
-register((F.bilinear, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, torch.bmm,
-          torch.baddbmm, torch.addbmm, torch.einsum, torch.Tensor.__rmatmul__,
+register((torch.bmm, torch.baddbmm, torch.addbmm, torch.einsum, torch.Tensor.__rmatmul__,
           torch.Tensor.bmm, torch.Tensor.baddbmm),
          "matmul", "matmul", _KEEPS)(None)
+register((F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d), "matmul", "matmul", _KEEPS,
+         weight_at=1)(None)
+register((F.bilinear,), "matmul", "matmul", _KEEPS, weight_at=2)(None)
 
 
-@register(PLAIN_CONVS, "matmul", "matmul", _KEEPS + "; large ones backward one tensor at a time")
+@register(PLAIN_CONVS, "matmul", "matmul", _KEEPS + "; large ones backward one tensor at a time",
+          weight_at=1)
 def ordered_conv(s, func, args, kwargs, level):
     """A large batched convolution runs :class:`OrderedConv` (same values, less memory)."""
     if level.matmul_bits is None:

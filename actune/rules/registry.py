@@ -32,6 +32,10 @@ class Rule:
     features_last: bool = False
     #: or a test of the call's arguments saying whether it does (None: ``features_last``)
     features_last_if: Callable[[tuple], bool] | None = None
+    #: the position of the op's weight (or its keyword ``weight``): whatever tensor comes
+    #: there stays exact, a parameter or one computed each forward (weight norm's
+    #: ``g * v / |v|``), whose rounding would add noise to every input gradient below
+    weight_at: int | None = None
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
@@ -96,7 +100,8 @@ RULES: RuleTable = RuleTable()
 
 def register(funcs: Iterable[Callable], category: str, width: str | None = None, keeps: str = "",
              only_input_shape: bool = False, features_last: bool = False,
-             features_last_if: Callable[[tuple], bool] | None = None):
+             features_last_if: Callable[[tuple], bool] | None = None,
+             weight_at: int | None = None):
     """Register a rule for every function in ``funcs``; use as a decorator on the rule's
     ``replace(session, func, args, kwargs, level)`` or call it with the result ignored (a rule
     without a replacement: ``register(...)(None)``)."""
@@ -104,7 +109,7 @@ def register(funcs: Iterable[Callable], category: str, width: str | None = None,
 
     def decorate(replace: Callable | None) -> Callable | None:
         rule = Rule(category, width, replace, keeps, only_input_shape, features_last,
-                    features_last_if)
+                    features_last_if, weight_at)
         for func in funcs:
             if func in RULES:
                 raise ValueError(f"{_name(func)} already has a rule ({RULES[func].category})")

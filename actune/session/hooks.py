@@ -197,8 +197,13 @@ class Session:
         if (op.op is None and self.accounting.sink is not None
                 and self.accounting.compiled_save(t, new, level.group_size)):
             return t  # what a compiled graph packed (see _compiled_save)
-        if op.exact_ids and id(t) in op.exact_ids:
-            return self.keep(t, new, f"{op_name(op.op)} broadcast operand")
+        if op.exact_ids:
+            # (or a view of it: a linear layer's backward reads its weight transposed)
+            why = op.exact_ids.get(id(t))
+            if why is None and t._base is not None:
+                why = op.exact_ids.get(id(t._base))
+            if why is not None:
+                return self.keep(t, new, f"{op_name(op.op)} {why}")
         if t.dtype == torch.bool:
             # (a mask comes back contiguous: one saved outside any op in another layout, such
             # as a compiled graph's dropout mask of a transposed tensor, whose backward

@@ -97,7 +97,8 @@ class OpLabel:
     """What the op being run tells the pack hook about what it saves: the function, which of
     the level's widths its rule names (``kind``), a norm's input shape (``only_shape``: only
     tensors of that shape are rounded) and the ids of its references (weight, buffers), whether
-    it saves features-last tensors, the ids it keeps exact on purpose (a broadcast operand)
+    it saves features-last tensors, the ids it keeps exact on purpose, with why (a broadcast
+    operand, a weight computed in forward)
     and the shapes of the frozen weights a matmul reads, and whether it multiplies two
     activations (``pair``: each operand's rounding noise meets the other's in backward). One
     object a call, swapped in and
@@ -112,7 +113,7 @@ class OpLabel:
                  frozen_shapes: frozenset | tuple = (), pair: bool = False) -> None:
         self.op, self.kind, self.only_shape, self.references = op, kind, only_shape, references
         self.features, self.frozen_shapes, self.pair = features, frozen_shapes, pair
-        self.exact_ids: set[int] | tuple = ()
+        self.exact_ids: dict[int, str] | tuple = ()
 
     def with_kind(self, kind: str | None) -> OpLabel:
         """This label, but naming the level's ``kind`` width."""
@@ -292,6 +293,14 @@ def _label(s, func, rule, args, kwargs) -> OpLabel:
                     # add noise to every input gradient below: the pack hook keeps it exact
                     # by its shape
                     frozen = frozenset((*frozen, a.shape))
+    exact: dict[int, str] | tuple = ()
+    at = rule.weight_at
+    if at is not None:
+        weight = args[at] if len(args) > at else kwargs.get("weight")
+        if isinstance(weight, torch.Tensor) and not (weight.is_leaf and weight.requires_grad):
+            # a weight computed in forward (a parametrization's) or a constant one: kept as
+            # PyTorch keeps it (a parameter's own view or cast is a reference in the hook)
+            with_weight, exact = True, {id(weight): "weight"}
     only, refs = None, ()
     if rule.only_input_shape and isinstance(args[0], torch.Tensor):
         # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
@@ -308,7 +317,9 @@ def _label(s, func, rule, args, kwargs) -> OpLabel:
     if (features and matmul and s.level is not None
             and _widens(s.level, func, args, kwargs)):
         kind = NARROW
-    return OpLabel(func, kind, only, refs, features, frozen, matmul and not with_weight)
+    label = OpLabel(func, kind, only, refs, features, frozen, matmul and not with_weight)
+    label.exact_ids = exact
+    return label
 
 
 class LabelMode(FunctionMode):

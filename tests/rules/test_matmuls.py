@@ -12,11 +12,15 @@ from tests.rules.helpers import DTYPES, check_rule, level, shrinks_like_noise
 
 _W = torch.randn(64, 48, generator=torch.Generator().manual_seed(7)) / 8
 _B = torch.zeros(48)
-_C = torch.randn(6, 4, 3, 3, generator=torch.Generator().manual_seed(8)) / 4
+#: the weights of the ops that take one (linear, convolutions) are parameters, as a layer's
+#: are: any other tensor there stays exact (test_a_weight_computed_in_forward_is_never_rounded)
+_LINEAR = torch.nn.Parameter(_W.t().contiguous())
+_C = torch.nn.Parameter(torch.randn(6, 4, 3, 3, generator=torch.Generator().manual_seed(8)) / 4)
+_C_T = torch.nn.Parameter(_C.detach().transpose(0, 1).contiguous())
 _OFFSETS = torch.tensor([3, 8, 8, 16], dtype=torch.int32)  # (an expert with no token)
 
 OPS = {
-    "linear": lambda t: F.linear(t, _W.t().to(t.dtype)).square(),
+    "linear": lambda t: F.linear(t, _LINEAR.to(t.dtype)).square(),
     "matmul_operator": lambda t: (t @ _W.to(t.dtype)).square(),
     "addmm": lambda t: torch.addmm(_B.to(t.dtype), t * 1.0, _W.to(t.dtype)).square(),
     "baddbmm": lambda t: torch.baddbmm(_B.to(t.dtype), t.view(4, 4, 64) * 1.0,
@@ -25,7 +29,7 @@ OPS = {
     "self_product": lambda t: (t @ t.transpose(-1, -2)).square(),
     "conv2d": lambda t: F.conv2d(t.view(4, 4, 8, 8) * 1.0, _C.to(t.dtype), padding=1).square(),
     "conv_transpose2d": lambda t: F.conv_transpose2d(
-        t.view(4, 4, 8, 8) * 1.0, _C.transpose(0, 1).to(t.dtype)).square(),
+        t.view(4, 4, 8, 8) * 1.0, _C_T.to(t.dtype)).square(),
     # a mixture-of-experts layer's tokens, sorted by expert, times each expert's weight
     "grouped_mm": lambda t: F.grouped_mm(t * 1.0, _W.to(t.dtype).expand(4, 64, 48),
                                          offs=_OFFSETS).square(),
@@ -203,3 +207,31 @@ def test_the_allocator_leaves_a_widening_input_at_its_width():
         model(x).square().mean().backward()
     ap = actune.autoprec_of(model)
     assert [s.per_sample_numel * s.samples for s in ap.slots] == [512 * 64]  # B's input: none
+
+
+@pytest.mark.parametrize("layer", ["conv1d", "linear"])
+def test_a_weight_computed_in_forward_is_never_rounded(layer):
+    # weight norm's ``g * v / |v|`` (wav2vec2's positional convolution) is made each forward:
+    # no parameter, yet the weight backward reads for the input gradient alone; rounding it
+    # (at one bit, where the bit allocator priced its noise at nothing) perturbed every
+    # gradient below it
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    module = weight_norm(torch.nn.Conv1d(32, 32, 16, padding=8, groups=4) if layer == "conv1d"
+                         else torch.nn.Linear(64, 64))
+    x = torch.randn(4, 32, 64) if layer == "conv1d" else torch.randn(128, 64)
+
+    def input_grad(level):
+        found = []
+        x_ = x.clone().requires_grad_()
+        with actune.compressed(level, stats=found.append):
+            y = module(x_ * 1.0)
+        y.square().sum().backward()
+        return x_.grad, found[0]
+
+    exact, _ = input_grad("L0")
+    grad, stats = input_grad("u2")
+    assert torch.allclose(grad, exact, rtol=1e-5, atol=1e-6)  # the weight exact, x rounded
+    assert stats.packed >= 1
+    assert stats.exact == {f"{layer} weight": module.weight.numel() * 4}

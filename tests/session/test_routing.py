@@ -21,7 +21,7 @@ def test_a_call_without_a_rule_keeps_what_it_saves_exact_and_restores_the_labels
         rule, label = routing._ROUTES[torch.cumprod]  # (decided once, then looked up)
         assert rule is None and label.op is torch.cumprod and label.kind is None
         assert s.label is routing.OUTSIDE_OPS  # the label as before the call
-        z = F.linear(y, torch.randn(64, 64))  # a rule's call after it still packs
+        z = F.linear(y, torch.nn.Parameter(torch.randn(64, 64)))  # a rule's call after it packs
     (z.sum()).backward()
     assert stats[0].exact.get("cumprod", 0) >= x.nbytes  # input and output kept as they are
     assert stats[0].packed >= 1
