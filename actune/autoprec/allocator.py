@@ -250,7 +250,7 @@ class AutoPrecision:
     def watch(self, slots: Sequence[int | tuple[int, torch.Tensor]], output: torch.Tensor,
               factor: float | torch.Tensor, *, relayed: bool,
               size: torch.Tensor | None = None,
-              norm: tuple | None = None, reach_all: bool = True) -> None:
+              norm: tuple | None = None, reach_all: bool = True) -> list[list]:
         """The op reading ``slots`` produced ``output`` (statistics steps). Its gradient,
         times ``factor``, weighs their rounding noise: directly (a matmul's weight gradient)
         or ``relayed`` to the weight gradients of every matmul before it in the forward pass.
@@ -264,9 +264,14 @@ class AutoPrecision:
         (coherent); see docs/autoprec.md. ``reach_all=False``: relayed noise perturbs only the
         nearest matmul below (a residual branch's noise, diluted beyond it by the skip path's
         gradient). A slot given as ``(slot, scale)`` is read with its noise times ``scale``
-        (a tensor rebuilt from it, :class:`actune.packing.saved.Derived`)."""
+        (a tensor rebuilt from it, :class:`actune.packing.saved.Derived`).
+
+        Returns the relayed entries, filled once ``output``'s gradient is known: ``[position,
+        share, ...]``, whose share (per sample) an op's own backward may scale (a layer norm by
+        the correlation of its gradient with ``x_hat``, :func:`relayed_by_norm`)."""
+        relays: list[list] = []
         if not (self.collecting and output.requires_grad and type(output) is torch.Tensor):
-            return
+            return relays
         position = self._position
         self._position += 1
         fresh = []
@@ -275,7 +280,7 @@ class AutoPrecision:
             if i < len(self._fresh):
                 fresh.append((self._fresh[i], scale))
         if not fresh and size is None:
-            return
+            return relays
 
         def hook(grad: torch.Tensor) -> None:
             with torch.no_grad():
@@ -306,6 +311,7 @@ class AutoPrecision:
                                 entry[3] = share * (coherent * per_channel).sum()
                         s.relayed.append(entry)
                         entries.append(entry)
+                        relays.append(entry)
                     else:
                         w = w * factor
                         s.direct = w if s.direct is None else s.direct + w
@@ -313,6 +319,7 @@ class AutoPrecision:
                     _correlate(norm, g, entries)
 
         output.register_hook(hook)
+        return relays
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -496,6 +503,35 @@ def _correlate(norm: tuple[torch.Tensor, tuple[int, ...]], grad: torch.Tensor,
                 entry[1] = entry[1] * (corr + 1.0 / count)
 
     handle = weight.register_hook(on_weight)
+
+
+def relayed_by_norm(relays: list[list], grad: torch.Tensor, x_hat: torch.Tensor,
+                    weight: torch.Tensor | None, ndims: int) -> None:
+    """Scale a layer (or RMS) norm's relayed entries (:meth:`AutoPrecision.watch`) by what of
+    ``x_hat``'s noise ``e`` its backward passes on. Per row of ``M`` features,
+    ``dx = rstd * (gh - mean(gh) - x_hat * mean(gh * x_hat))`` with ``gh = grad * weight``
+    reads ``x_hat`` only in its last term, so ``e`` adds ``rstd * (e * m + x_hat * mean(gh * e))``,
+    ``m = mean(gh * x_hat)``: expected square ``rstd**2 var(e) (M m**2 (1 + 2 / M) +
+    mean(gh**2) mean(x_hat**2))``, where the share assumed ``rstd**2 var(e) M mean(gh**2)``:
+    about ``corr(gh, x_hat)**2 + 1 / M``, as for a batch norm's channels (docs/autoprec.md).
+    Per sample where the entries are (rows summed), else over the whole tensor."""
+    with torch.no_grad():
+        dims = tuple(range(grad.dim() - ndims, grad.dim()))
+        g, xh = grad.detach().float(), x_hat.detach().float()
+        gh = g if weight is None else g * weight.detach().float()
+        count = math.prod(grad.shape[d] for d in dims)
+        m = (gh * xh).mean(dims)
+        v = gh.square().mean(dims)
+        passed = m.square() * (count + 2) + v * xh.square().mean(dims)
+        assumed = v * count
+        for entry in relays:
+            samples = entry[1].numel()
+            if samples > 1 and passed.dim() >= 1 and passed.shape[0] == samples:
+                num = passed.reshape(samples, -1).sum(1)
+                den = assumed.reshape(samples, -1).sum(1)
+            else:
+                num, den = passed.sum(), assumed.sum()
+            entry[1] = entry[1] * (num / den.clamp_min(1e-30)).clamp(max=1.0)
 
 
 def rounding_noise(packed: PackedTensor | PackedSamples | PackedRows, samples: int) -> torch.Tensor:

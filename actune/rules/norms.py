@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from actune import tunables
+from actune.autoprec.allocator import relayed_by_norm
 from actune.packing.saved import check_double_backward, take
 from actune.rules.activations import compressible
 from actune.rules.registry import register
@@ -68,7 +69,8 @@ def _shared(s, x, shape, weight, bias, eps, rms: bool, level):
     saved = held[0]
     ap = s.allocating
     if ap is not None and saved.slot is not None:  # x_hat's noise is relative: unscaled
-        ap.watch([saved.slot], out, 1.0, relayed=True, reach_all=False)
+        # (scaled in backward by what the norm passes on: relayed_by_norm)
+        out.grad_fn.relays = ap.watch([saved.slot], out, 1.0, relayed=True, reach_all=False)
     s.derive(out, saved, weight, bias)
     return out
 
@@ -115,6 +117,9 @@ class SharedNorm(torch.autograd.Function):
         rstd, weight, bias = ctx.saved_tensors
         x_hat = take(ctx, "x_hat").get()
         needs = ctx.needs_input_grad
+        relays = getattr(ctx, "relays", None)
+        if relays:  # (a statistics step of the bit allocator)
+            relayed_by_norm(relays, grad, x_hat, weight, len(ctx.shape))
         if ctx.rms:
             dx, dw = _rms_backward(grad, x_hat, rstd, weight, len(ctx.shape),
                                    needs[1] and weight is not None)

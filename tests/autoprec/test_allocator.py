@@ -494,3 +494,35 @@ def test_the_allocator_gives_products_of_activations_softmax_and_norm_inputs_two
     shapes = sorted(s.label for s in slots)
     assert shapes == ["(8, 24, 24)"] * 2 + ["(8, 24, 32)"] * 3 + ["(8, 32, 24)"]
     assert all(s.min_bits >= 2 and s.bits.min() >= 2 for s in slots)
+
+
+@pytest.mark.parametrize("correlation", [0.0, 0.5, 1.0])
+def test_a_layer_norms_relayed_noise_is_what_its_backward_passes_on(correlation):
+    """The share of ``x_hat``'s rounding noise a layer norm's backward passes to its input's
+    gradient, against PyTorch's own backward of a noisy ``x_hat`` (rstd 1): about
+    ``corr(grad * weight, x_hat)**2 + 1 / M``, per sample (the relays held 1 before)."""
+    from actune.autoprec.allocator import relayed_by_norm
+
+    gen = torch.Generator().manual_seed(0)
+    samples, tokens, features, sigma = 2, 16, 32, 1e-3
+    x = torch.randn(samples, tokens, features, generator=gen, dtype=torch.float64)
+    x_hat = (x - x.mean(-1, keepdim=True)) / x.std(-1, unbiased=False, keepdim=True)
+    weight = 1 + 0.3 * torch.randn(features, generator=gen, dtype=torch.float64)
+    noise = torch.randn(samples, tokens, features, generator=gen, dtype=torch.float64)
+    grad = (correlation * x_hat + (1 - correlation) * noise) / weight  # (grad * weight: mixed)
+    stats = torch.zeros(samples, tokens, 1, dtype=torch.float64)
+
+    def dx(xh):
+        return torch.ops.aten.native_layer_norm_backward(
+            grad, xh, [features], stats, stats + 1, weight, None, [True, False, False])[0]
+
+    clean = dx(x_hat)
+    draws = torch.stack([dx(x_hat + sigma * torch.randn(x_hat.shape, generator=gen,
+                                                        dtype=torch.float64)) - clean
+                         for _ in range(300)])
+    assumed = sigma**2 * features * (grad * weight).square().mean(-1).sum(-1)  # per sample
+    measured = draws.square().sum((2, 3)).mean(0) / assumed
+    entry = [0, torch.ones(samples, dtype=torch.float64), None, None, False]
+    relayed_by_norm([entry], grad, x_hat, weight, 1)
+    assert entry[1] == pytest.approx(measured, rel=0.15), (entry[1], measured)
+    assert (entry[1] < 0.1).all() if correlation == 0 else (entry[1] > 0.1).all()
