@@ -69,8 +69,9 @@ def _shared(s, x, shape, weight, bias, eps, rms: bool, level):
     saved = held[0]
     ap = s.allocating
     if ap is not None and saved.slot is not None:  # x_hat's noise is relative: unscaled
-        # (scaled in backward by what the norm passes on: relayed_by_norm)
-        out.grad_fn.relays = ap.watch([saved.slot], out, 1.0, relayed=True, reach_all=False)
+        relays = ap.watch([saved.slot], out, 1.0, relayed=True, reach_all=False)
+        if ap.collecting:  # (scaled in backward by what the norm passes on)
+            out.grad_fn.relays = relays
     s.derive(out, saved, weight, bias)
     return out
 
