@@ -20,9 +20,6 @@ __all__ = ["LEVELS", "UNIFORM_GROUP_SIZES", "Level", "get_level", "mixed", "pars
            "uniform"]
 
 
-
-
-
 @dataclass(frozen=True)
 class Level:
     """What a level compresses.

@@ -22,7 +22,6 @@ NOISE = {0: 0.0, **{b: 1.0 / (2**b - 1) ** 2 for b in CHOICES}}  # 0: a mask onl
 NOISE4 = {b: v * v for b, v in NOISE.items()}
 
 
-
 def objective(costs: Sequence[float], bits: Sequence[int],
               quartic: Sequence[float] | None = None) -> float:
     """The variance model: ``sum costs / (2**bits - 1)**2 + quartic / (2**bits - 1)**4``."""

@@ -39,7 +39,6 @@ from actune.substitutes import lazy_logits
 __all__ = ["linear_cross_entropy"]
 
 
-
 _REDUCTIONS = ("mean", "sum", "none")
 
 

@@ -38,9 +38,6 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-
-
-
 def _batchable(t: torch.Tensor, numel: int, small: int) -> bool:
     return 0 < numel < small and plain(t) and (t.is_cpu or t.device.type == "cuda")
 

@@ -130,7 +130,6 @@ class PackedMask:
         return self.bits8.device
 
 
-
 @dataclass(frozen=True)
 class PackedCodes:
     """Small integer codes (each below ``2 ** bits``) stored at ``bits`` per element, exact.

@@ -23,8 +23,6 @@ from actune_kernels import layout
 __all__ = ["graph_pack", "graph_unpack", "supported"]
 
 
-
-
 def supported(x: torch.Tensor, by_feature: bool) -> bool:
     """Can the kernels pack ``x`` in a graph: a CPU float32/float64 tensor, with features a
     multiple of 8 if ``by_feature``?"""

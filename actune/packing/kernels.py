@@ -86,7 +86,6 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
     return a.view(np.uint16) if a.dtype == np.int16 else a
 
 
-
 _HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
 
 

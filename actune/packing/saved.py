@@ -68,9 +68,6 @@ def simulated_offload() -> Iterator[None]:
         _SIMULATE_OFFLOAD.reset(token)
 
 
-
-
-
 class Saved:
     """What the pack hook returns for a compressed tensor.
 

@@ -94,9 +94,6 @@ def _math(q, k, v, options, bias, seed, keep=None):
     return torch.matmul(probs * keep, v).div_(1 - dropout_p)
 
 
-
-
-
 def _slices(q, k, v, options) -> tuple[torch.Size, int] | None:
     """The math path's whole map shape and the rows of ``q``'s first dim per slice, or None
     where the batch cannot be cut there (broadcast operands, one row)."""

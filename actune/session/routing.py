@@ -239,7 +239,6 @@ class FunctionMode(TorchFunctionMode):
         finally:
             s.label = previous
 
-
     def _watch(self, ap: AutoPrecision, touched: list[int], out: torch.Tensor, func, args,
                kwargs) -> None:
         """Tell the allocator how rounding noise in what ``func`` saved reaches parameter

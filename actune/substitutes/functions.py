@@ -136,11 +136,6 @@ class OrderedConv(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
-
-
-
-
-
 def conv_args(func, args, kwargs):
     """(x, weight, bias, stride, padding, dilation, groups) of a plain convolution call that
     :class:`OrderedConv` should run, or None (small or unbatched input, string padding: PyTorch's
@@ -509,8 +504,6 @@ class PackedLogSoftmax(torch.autograd.Function):
         p = take(ctx, "p").fresh()
         out = grad - p.mul_(grad.sum(ctx.dim, keepdim=True))
         return out.to(ctx.in_dtype), None, None, None, None
-
-
 
 
 def as_tuple(v, n: int) -> tuple:

@@ -38,7 +38,6 @@ __all__ = ["LazyHead", "LazyLogits", "cross_entropy_in_chunks",
            "is_head", "lazy_head_forward", "mark_head", "provide", "unmark_head"]
 
 
-
 #: What this module calls from the modules above it, given by them as they load
 #: (:func:`provide`): importing them here would close a loop, as the session's module imports
 #: the rules, which import this one. ``active_level`` (:mod:`actune.session.hooks`) and

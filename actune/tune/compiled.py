@@ -28,8 +28,6 @@ __all__ = ["Answer", "Calibration", "Point", "calibrate", "compiled_answer", "co
            "measure_point", "scaled"]
 
 
-
-
 @dataclass(frozen=True)
 class Point:
     """A compiled step against the eager estimate at one batch and sizes: what each holds

@@ -30,8 +30,6 @@ from actune import tunables
 __all__ = ["available_workers", "run_searches"]
 
 
-
-
 def available_workers() -> int:
     """Cores this process may run on (its CPU affinity where the system tells it)."""
     try:

@@ -33,8 +33,6 @@ from actune.tune.workload import Workload, WorkloadError, first_line
 __all__ = ["ProbeError", "Trial", "prepare", "warm_up"]
 
 
-
-
 class ProbeError(RuntimeError):
     """A trial failed for a reason other than running out of memory."""
 
@@ -145,7 +143,6 @@ class Trial:
 #: the model, its optimizer), shared by the trials of every configuration that builds the same
 #: model: the levels differ only in how a step runs, not in the model or its optimizer state.
 _WARM: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
-
 
 
 def _shared_key(trial: Trial) -> tuple | None:

@@ -327,9 +327,6 @@ def _maxbatch_level(workload: Workload, level: Config, settings: Settings, sizes
     return row
 
 
-
-
-
 def _choosing(workload: Workload, config: Config, settings: Settings, result: SearchResult,
               search: Callable[[Config, int], SearchResult],
               step_at: Callable[[int], tuple[dict, int]],
