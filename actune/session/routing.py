@@ -283,23 +283,27 @@ def _label(s, func, rule, args, kwargs) -> OpLabel:
         return OpLabel(func)
     matmul = rule.category == "matmul"
     frozen, with_weight = (), False
+    exact: dict[int, str] | tuple = ()
     if matmul:  # (one pass over the arguments, no generators: every conv and linear call)
-        for a in args:
-            if isinstance(a, torch.Tensor) and parameter_like(a):
+        at = rule.weight_at
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            if parameter_like(a):
                 with_weight = True
                 if not a.requires_grad and _is_parameter(a):
                     # a frozen weight's autocast copy is no parameter, and rounding it would
                     # add noise to every input gradient below: the pack hook keeps it exact
                     # by its shape
                     frozen = frozenset((*frozen, a.shape))
-    exact: dict[int, str] | tuple = ()
-    at = rule.weight_at
-    if at is not None:
-        weight = args[at] if len(args) > at else kwargs.get("weight")
-        if isinstance(weight, torch.Tensor) and not (weight.is_leaf and weight.requires_grad):
-            # a weight computed in forward (a parametrization's) or a constant one: kept as
-            # PyTorch keeps it (a parameter's own view or cast is a reference in the hook)
-            with_weight, exact = True, {id(weight): "weight"}
+            elif i == at:
+                # a weight computed in forward (a parametrization's) or a constant one: kept
+                # as PyTorch keeps it, never rounded as an activation
+                with_weight, exact = True, {id(a): "weight"}
+        if at is not None and kwargs:
+            weight = kwargs.get("weight")
+            if isinstance(weight, torch.Tensor) and not parameter_like(weight):
+                with_weight, exact = True, {id(weight): "weight"}
     only, refs = None, ()
     if rule.only_input_shape and isinstance(args[0], torch.Tensor):
         # a norm's backward reads its statistics (mean, rstd) nonlinearly: only its input,
