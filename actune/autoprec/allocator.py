@@ -290,7 +290,6 @@ class AutoPrecision:
                 total = per_row.sum()
                 if size is not None:
                     self._sizes.append((position, total * size))
-                entries = []
                 for s, scale in fresh:
                     if s.samples > 1 and per_row.numel() == s.samples:
                         w = per_row
@@ -310,13 +309,12 @@ class AutoPrecision:
                                 per_channel = g.square().sum(dim=dims)
                                 entry[3] = share * (coherent * per_channel).sum()
                         s.relayed.append(entry)
-                        entries.append(entry)
                         relays.append(entry)
                     else:
                         w = w * factor
                         s.direct = w if s.direct is None else s.direct + w
-                if norm is not None and entries:
-                    _correlate(norm, g, entries)
+                if norm is not None and relays:
+                    _correlate(norm, g, relays)
 
         output.register_hook(hook)
         return relays

@@ -98,12 +98,11 @@ class OpLabel:
     the level's widths its rule names (``kind``), a norm's input shape (``only_shape``: only
     tensors of that shape are rounded) and the ids of its references (weight, buffers), whether
     it saves features-last tensors, the ids it keeps exact on purpose, with why (a broadcast
-    operand, a weight computed in forward)
-    and the shapes of the frozen weights a matmul reads, and whether it multiplies two
-    activations (``pair``: each operand's rounding noise meets the other's in backward). One
-    object a call, swapped in and
-    out whole: a call without a rule shares its function's own, made once (``_ROUTES``); a
-    rule's call gets a fresh one (:func:`_label`), which its rule may add ``exact_ids`` to."""
+    operand, a weight computed in forward), the shapes of the frozen weights a matmul reads,
+    and whether it multiplies two activations (``pair``: each operand's rounding noise meets
+    the other's in backward). One object a call, swapped in and out whole: a call without a
+    rule shares its function's own, made once (``_ROUTES``); a rule's call gets a fresh one
+    (:func:`_label`), which its rule may add ``exact_ids`` to."""
 
     __slots__ = ("exact_ids", "features", "frozen_shapes", "kind", "only_shape", "op", "pair",
                  "references")
