@@ -191,13 +191,18 @@ class AutoPrecision:
             self._weight = torch.where(s > 0, s, fill).sqrt()
         return self._weight
 
-    def plan(self, t: torch.Tensor, zero_code: bool = False, floor: int = 1) -> Plan:
-        """How to pack the next compressed tensor of this step (at least ``floor`` bits)."""
+    def plan(self, t: torch.Tensor, zero_code: bool = False, floor: int = 1,
+             split: bool = True, uniform: int | None = None) -> Plan:
+        """How to pack the next compressed tensor of this step (at least ``floor`` bits;
+        ``split=False``: one width for all its samples, whose groups mix them). A tensor no
+        allocation covers yet (a statistics step's first, another shape) takes ``uniform``,
+        the level's own width for it (as ``compressed(level)`` packs it, and as the tuner's
+        estimate counts it), else the average's."""
         slot = self._cursor
         self._cursor += 1
         if self._batch is None:
             self._batch = int(t.shape[0]) if t.dim() else 1
-        samples = self._samples(t)
+        samples = self._samples(t) if split else 1
         min_bits = max(2 if zero_code else 1, floor)
         collect = self.collecting and type(t) is torch.Tensor  # not under FakeTensorMode
         if collect:
@@ -210,7 +215,8 @@ class AutoPrecision:
             weight = None
         if known is None or known.bits is None or known.numel // known.samples != (
                 t.numel() // samples) or known.min_bits != min_bits:
-            return Plan(slot, widest(self.avg_bits, min_bits), samples, collect=collect,
+            bits = max(uniform, min_bits) if uniform else widest(self.avg_bits, min_bits)
+            return Plan(slot, bits, samples, collect=collect,
                         weight=weight)
         ranks = known.bits
         if not ranks.any():  # zeros are all its readers need: a 1-bit mask
@@ -343,17 +349,28 @@ class AutoPrecision:
             return  # no backward ran (evaluation): nothing learned
         tensors: list[torch.Tensor] = [torch.stack([v for _, v in sizes]).reshape(-1)
                                        if sizes else torch.zeros(0)]
+        gradient = [True]  # per entry of tensors: read off the step's gradients
         for s in fresh:
             tensors.append(s.noise if s.noise is not None else torch.zeros(s.samples))
             tensors.append(s.direct if s.direct is not None else torch.zeros(s.samples))
             tensors.append(s.score if s.score is not None else torch.zeros(s.samples))
+            gradient += [False, True, False]
             for _, lin, quad, coherent, _ in s.relayed:
                 tensors.append(lin)
                 tensors.append(quad if quad is not None else torch.zeros(s.samples))
                 tensors.append(coherent if coherent is not None else torch.zeros(s.samples))
+                gradient += [True, True, True]
         device = next((t.device for t in tensors if t.device.type != "cpu"), None)
         flat = torch.cat([t.reshape(-1).float().to(device or "cpu") for t in tensors])
-        values = np.nan_to_num(flat.double().cpu().numpy(), nan=0.0, posinf=0.0)
+        raw = flat.double().cpu().numpy()
+        from_gradient = np.repeat(gradient, [t.numel() for t in tensors])
+        if not np.isfinite(raw[from_gradient]).all():
+            # the step's gradients overflowed (a mixed-precision loss scale too high for it,
+            # a diverging step): they price nothing; the widths stay and the next step
+            # collects again
+            self._force = True
+            return
+        values = np.nan_to_num(raw, nan=0.0, posinf=0.0)  # (a saved tensor's own inf)
         at = len(sizes)
         size_at = np.zeros(self._position + 1)
         for (pos, _), v in zip(sizes, values[:at], strict=True):

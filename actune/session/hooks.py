@@ -238,9 +238,14 @@ class Session:
             # input, which the report would otherwise seem to say)
             return self.keep(t, new, f"{op_name(op.op)} statistics")
         ap = self.allocating
-        by_feature = op.features and not (ap is not None and ap.splits_samples(t))
+        # a [batch, features] input takes per-sample widths in groups along each sample,
+        # except a norm's: its backward divides the noise by each feature's own spread, which
+        # a group spanning features of other scales (a batch norm's channel of large mean and
+        # small spread) makes many times larger than the values (docs/autoprec.md)
+        by_feature = op.features and (op.only_shape is not None or ap is None
+                                      or not ap.splits_samples(t))
         if ap is not None and kind is not NARROW:  # (a narrow input's width is fixed)
-            return self.packer.pack_allocated(t, kind, by_feature)
+            return self.packer.pack_allocated(t, kind, by_feature, bits)
         zeros = kind == _ZEROS  # (accounted as PackedReLU's are)
         return self.packer.pack(t, bits, "relu" if zeros else _MATMUL if kind is NARROW
                                 else kind, by_feature=by_feature, zero_code=zeros)

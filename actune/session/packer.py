@@ -64,10 +64,12 @@ class Packer:
             self.accounting.held(saved.nbytes, kind, replaces)
         return saved
 
-    def pack_allocated(self, t: torch.Tensor, kind: str, by_feature: bool = False) -> Saved:
+    def pack_allocated(self, t: torch.Tensor, kind: str, by_feature: bool = False,
+                       uniform: int | None = None) -> Saved:
         """Pack with the bits the allocator gives this slot (``by_feature``: each group one
-        feature's values), or find it in the cache if the storage was packed
-        already (this op reads that slot too)."""
+        feature's values; ``uniform``: the level's width for it, until the allocator knows
+        the slot), or find it in the cache if the storage was packed already (this op reads
+        that slot too)."""
         key = storage_key(t, _ALLOCATED)
         found = self.cache.find(key)
         if found is not None and isinstance(found.packed, PackedMask):
@@ -79,7 +81,7 @@ class Packer:
             # whose backward multiplies its noise by the other operand's (docs/autoprec.md)
             label = self.session.label
             floor = 2 if (kind == OTHER and label.only_shape is None) or label.pair else 1
-            packed, slot = self._quantize_planned(t, False, floor, by_feature)
+            packed, slot = self._quantize_planned(t, False, floor, by_feature, uniform)
             found = self._hold(self._new(packed), kind)
             found.slot = slot
             self.cache.remember(key, t, found)
@@ -89,12 +91,15 @@ class Packer:
         return found
 
     def _quantize_planned(self, t: torch.Tensor, zero_code: bool, floor: int = 1,
-                          by_feature: bool = False) -> tuple[object, int]:
+                          by_feature: bool = False,
+                          uniform: int | None = None) -> tuple[object, int]:
         """Pack ``t`` as the allocator plans its next slot (``by_feature``: each group one
         feature's values; per-sample widths from :func:`feature_major`'s copy); returns the
         packed form and slot."""
         ap = self.session.autoprec
-        plan: Plan = ap.plan(t, zero_code, floor)
+        # (a 2-d tensor's groups by feature run down its rows, across the samples: one width)
+        plan: Plan = ap.plan(t, zero_code, floor, split=not (by_feature and t.dim() == 2),
+                             uniform=uniform)
         group = self.session.level.group_size
         if plan.bits == 0:
             return pack_mask(t > 0), plan.slot
@@ -160,7 +165,7 @@ class Packer:
         if self.session.allocating is not None:
             packed, slot = self._quantize_planned(t, zero_code,
                                                   2 if kind in _TWO_BITS_AT_LEAST else 1,
-                                                  by_feature)
+                                                  by_feature, bits)
             saved = self._hold(self._new(packed), kind, replaces)
             saved.slot = slot
             if reads:

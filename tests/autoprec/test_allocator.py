@@ -1,5 +1,7 @@
 """The bit allocator: optimality, the budget, per-sample packing, its state, and training."""
 
+import contextlib
+import copy
 import itertools
 
 import numpy as np
@@ -526,3 +528,53 @@ def test_a_layer_norms_relayed_noise_is_what_its_backward_passes_on(correlation)
     relayed_by_norm([entry], grad, x_hat, weight, 1)
     assert entry[1] == pytest.approx(measured, rel=0.15), (entry[1], measured)
     assert (entry[1] < 0.1).all() if correlation == 0 else (entry[1] > 0.1).all()
+
+
+def test_a_batch_norms_2d_input_keeps_its_groups_by_feature_under_the_allocator():
+    # with per-sample widths its [batch, features] input was grouped along each sample, across
+    # channels of large mean and small spread: a group's step many times a channel's spread,
+    # which batch norm's backward divides by (LeViT's classifier: 22x the uniform widths' error
+    # on the statistics step, inf beyond)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 64)
+    with torch.no_grad():
+        head.weight.mul_(0.05)
+        head.bias.uniform_(-20, 20)  # channels: large means, small spreads
+    model = torch.nn.Sequential(head, torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def grads(m, seed, level=None):
+        m.load_state_dict(state)  # (batch norm's running statistics move each step)
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with actune.compressed(level) if level else contextlib.nullcontext():
+            F.cross_entropy(m(x), y).backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters()])
+
+    exact = grads(model, 0)
+    converted = actune.compress(copy.deepcopy(model), "L3")
+    first = (grads(converted, 1) - exact).norm()  # the statistics step, at 2 bits
+    allocated = sum((grads(converted, s) - exact).norm() for s in (2, 3, 4))
+    uniform = sum((grads(model, s, "L3") - exact).norm() for s in (2, 3, 4))
+    assert first < 1.5 * uniform / 3
+    assert allocated < 1.2 * uniform
+
+
+def test_a_statistics_step_whose_gradients_overflowed_prices_nothing_and_is_taken_again():
+    # (its inf and nan were read as zero costs: every slot at its floor, under the budget)
+    torch.manual_seed(0)
+    model = actune.compress(torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10)), "L3")
+    ap = actune.autoprec_of(model)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    (F.cross_entropy(model(x), y) * 3e38).backward()  # overflows to inf, as an AMP scale may
+    loss = F.cross_entropy(model(x), y)  # nothing learned from the last: it collects again
+    assert ap.collecting and ap.reallocations == 0 and not ap.slots
+    loss.backward()
+    model(x)
+    assert not ap.collecting and ap.reallocations == 1
+    assert all(s.cost.sum() > 0 for s in ap.slots)
+    assert ap.mean_bits == pytest.approx(2.0, abs=0.05)
