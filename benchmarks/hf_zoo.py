@@ -13,9 +13,11 @@ gradient at ``u8`` against exact. ``--allocator`` adds the level's one-step grad
 with uniform widths (``compressed(level)``) beside the same with the bit allocator's widths
 (``compress(model, level)``, after its statistics step), mean of rounding seeds 3-5: where
 the allocator's error is the larger, its noise model misjudges that architecture.
+``--autocast bf16`` runs every step under ``torch.autocast`` (float32 weights), as mixed
+precision training does.
 
     python benchmarks/hf_zoo.py [--level L3] [--models mixtral,swinv2] [--without-new-rules]
-        [--gradients] [--allocator]
+        [--gradients] [--allocator] [--autocast bf16]
 """
 
 from __future__ import annotations
@@ -173,15 +175,25 @@ def _built(name: str) -> tuple[str, torch.nn.Module]:
     return kind, model
 
 
+#: ``--autocast``: the dtype the steps run under ``torch.autocast`` in (None: float32).
+AUTOCAST: list[torch.dtype | None] = [None]
+
+
+def _autocast() -> contextlib.AbstractContextManager:
+    dtype = AUTOCAST[0]
+    return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+
+
 def _gradient(model: torch.nn.Module, loss: Callable[[], torch.Tensor], seed: int,
               level: str | None = None, stats=None) -> torch.Tensor:
     """The whole gradient of one step, under ``compressed(level, stats=stats)`` if a level is
-    given."""
+    given (and autocast, with ``--autocast``)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    with actune.compressed(level, stats=stats) if level else contextlib.nullcontext():
+    with (actune.compressed(level, stats=stats) if level else contextlib.nullcontext(),
+          _autocast()):
         value = loss()
-    value.backward()
+    value.float().backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
@@ -248,12 +260,16 @@ def main() -> None:
     parser.add_argument("--gradients", action="store_true")
     parser.add_argument("--allocator", action="store_true",
                         help="one-step gradient error, uniform widths and the allocator's")
+    parser.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
+                        help="run every step under torch.autocast in this dtype")
     args = parser.parse_args()
+    AUTOCAST[0] = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
     names = list(ZOO) if args.models is None else args.models.split(",")
     unknown = [n for n in names if n not in ZOO]
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {', '.join(ZOO)}")
     table = Table(title=f"{args.level}, one training step, batch 4"
+                  + (f", autocast {args.autocast}" if args.autocast else "")
                   + (" (grouped matmul, vector norm, normalize rules removed)"
                      if args.without_new_rules else ""))
     extra = (*(("u8 grad error",) if args.gradients else ()),

@@ -276,15 +276,17 @@ class Derived:
     backward that reads it). Its bytes are the base's (and factor's), counted where they were
     packed."""
 
-    __slots__ = ("__weakref__", "base", "bias", "factor", "function", "keep", "readers", "shape",
-                 "weight")
+    __slots__ = ("__weakref__", "base", "bias", "dtype", "factor", "function", "keep",
+                 "readers", "shape", "weight")
 
     def __init__(self, base: Saved, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  shape: torch.Size | None = None, factor: Saved | None = None,
-                 function: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 function: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.base, self.weight, self.bias, self.shape = base, weight, bias, shape
         self.factor = factor
         self.function = function  # elementwise, of the base's value (GELU's output)
+        self.dtype = dtype  # autocast's: the saver's copy was cast to it (None: as rebuilt)
         self.readers = 0  # savers handed this value, less those that have read it
         self.keep: torch.Tensor | None = None  # the rebuilt value, for the next reader
 
@@ -348,6 +350,8 @@ class Derived:
                                                                              self.weight)
         elif self.bias is not None:
             out = out + self.bias
+        if self.dtype is not None:
+            out = out.to(self.dtype)
         return out if self.shape is None else out.reshape(self.shape)
 
 

@@ -16,6 +16,8 @@ independently rounded copies.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 
@@ -58,14 +60,20 @@ def rms_norm(s, func, args, kwargs, level):
 
 
 def _shared(s, x, shape, weight, bias, eps, rms: bool, level):
+    autocast = autocast_dtype(x.device.type) is not None if isinstance(x, torch.Tensor) else False
     if (not compressible(x, level) or x.dtype not in _FLOATS or shape is None
-            or not isinstance(eps, float | int) or autocast_dtype(x.device.type) is not None
+            or not isinstance(eps, float | int)
+            or (autocast and x.dtype != torch.float32)  # (cast as the device's policy says)
             or any(t is not None and (not isinstance(t, torch.Tensor) or t.dtype != x.dtype)
                    for t in (weight, bias))):
-        return None  # (under autocast the matmul saves its own cast copy: nothing to share)
+        return None
     shape = (int(shape),) if isinstance(shape, int) else tuple(shape)
     held: list = []
-    out = SharedNorm.apply(x, weight, bias, shape, float(eps), rms, s, held)
+    # under autocast a norm of float32 tensors runs in float32, as here; the matmul reading
+    # its output saves autocast's copy of it, which is rebuilt from the same packed x_hat
+    # (Session.derive)
+    with torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        out = SharedNorm.apply(x, weight, bias, shape, float(eps), rms, s, held)
     saved = held[0]
     ap = s.allocating
     if ap is not None and saved.slot is not None:  # x_hat's noise is relative: unscaled

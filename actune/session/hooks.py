@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -94,6 +95,14 @@ _WIDTHS: dict[str, Callable[[Level], int | None]] = {
     _OTHER: lambda level: level.other_bits,
     _ZEROS: _zero_code_bits,
 }
+
+
+#: The dtypes autocast casts a matmul's input to (an fp32 tensor is nobody's such copy).
+_CAST_DTYPES = frozenset({torch.bfloat16, torch.float16})
+#: Backward nodes of views that keep a contiguous tensor's element order (all of it: the
+#: copy's numel is checked).
+_WHOLE_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                          "AliasBackward0"})
 
 
 def _whole_key(t: torch.Tensor) -> tuple:
@@ -315,6 +324,12 @@ class Session:
                                  weakref.ref(base, drop), weight, bias,
                                  None if factor is None else weakref.ref(factor, drop),
                                  _NO_REF, function]
+            # (and autocast's copy of it, which a matmul reads: found through the copy's
+            # grad_fn, whose input is this function's node; an in-place change of ``t``
+            # would have given the copy another)
+            fn = t.grad_fn  # (a custom function's node: PyTorch's own take no attribute)
+            if isinstance(fn, BackwardCFunction):
+                fn.actune_derived = key
 
     def _derived(self, t: torch.Tensor, bits: int, new: bool) -> Derived | None:
         """``t`` as a :class:`Derived` if it is a tensor :meth:`derive` named, unchanged since,
@@ -323,7 +338,15 @@ class Session:
         if not t.is_contiguous():
             return None
         entry = self.derived.get(_whole_key(t))
-        if entry is None or entry[0].expired() or entry[1] != t._version:
+        cast = None
+        if entry is None:
+            if t.dtype not in _CAST_DTYPES:
+                return None
+            entry = self._cast_entry(t)
+            if entry is None:
+                return None
+            cast = t.dtype
+        elif entry[0].expired() or entry[1] != t._version:
             return None
         base_ref, weight, bias, factor_ref = entry[2:6]
         base, factor = base_ref(), factor_ref and factor_ref()
@@ -331,11 +354,11 @@ class Session:
             return None
         shared = entry[6]()  # one Derived for the savers of one view: rebuilt once
         if (shared is not None and shared.shape == t.shape and shared.base is base
-                and shared.factor is factor):
+                and shared.factor is factor and shared.dtype is cast):
             derived = shared
         else:
             derived = Derived(base, weight, bias, t.shape, factor,  # (as this saver views it)
-                              entry[7])
+                              entry[7], cast)
         ap = self.allocating
         if base.slot is None and ((ap is not None and factor is None and entry[7] is None)
                                   or (derived.bits or 0) < bits):
@@ -347,6 +370,21 @@ class Session:
                 ap.share(base.slot)  # the slot stands for two saved tensors in the budget
             self.packer.touch(base.slot, derived.noise_scale() if ap.collecting else None)
         return derived
+
+    def _cast_entry(self, t: torch.Tensor) -> list | None:
+        """The entry of the tensor :meth:`derive` named of which ``t`` (or what ``t`` views
+        whole) is autocast's copy, or None."""
+        whole = t._base if t._base is not None else t
+        fn = whole.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0" or whole.numel() != t.numel():
+            return None
+        fn = fn.next_functions[0][0]
+        for _ in range(3):  # (a view of all of it cast: GPT-2's Conv1D reads x.view(-1, C))
+            if type(fn).__name__ not in _WHOLE_VIEWS:
+                break
+            fn = fn.next_functions[0][0]
+        key = getattr(fn, "actune_derived", None)
+        return None if key is None else self.derived.get(key)
 
     # -- entering and leaving ------------------------------------------------------------
 
