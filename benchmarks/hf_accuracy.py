@@ -20,7 +20,9 @@ steps and at the end, per seed, with its mean over the seeds.
 run moves from L0's when nothing but the rounding differs is the benchmark's resolution.
 Without gradient clipping and at a higher learning rate (``--clip 0 --lr 2e-3 --warmup 20``)
 this model's training is chaotic: u8 ended 2.2% below L0 and single seeds 6% apart, so no
-0.5% difference could be read there. ``--load`` prints the tables of runs saved with
+0.5% difference could be read there. ``--autocast`` runs the training steps' forward and
+loss under bf16 ``torch.autocast`` (float32 weights and optimizer, validation in float32), as
+mixed-precision training does. ``--load`` prints the tables of runs saved with
 ``--json`` (levels run in separate processes, side by side: give each ``--threads 1`` and
 ``NUMBA_NUM_THREADS=1``, or numba's threads oversubscribe the cores: several times slower).
 """
@@ -211,7 +213,8 @@ def run_steps(model, opt, it, args, first: int, last: int, val_data=None,
         for group in opt.param_groups:
             group["lr"] = learning_rate(args, step)
         ids = next(it)
-        with scope():
+        with scope(), (torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast
+                       else contextlib.nullcontext()):
             loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -255,6 +258,8 @@ def main() -> None:
                         help="GPT-2's dropouts (its default is 0.1: another noise source "
                              "that differs between runs)")
     parser.add_argument("--every", type=int, default=250)
+    parser.add_argument("--autocast", action="store_true",
+                        help="training steps under bf16 autocast (float32 weights)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--load", default=None, help="comma-separated JSON files to print")
     args = parser.parse_args()
@@ -298,7 +303,9 @@ def report(args, levels: list[str], runs: list[dict]) -> None:
     table = Table(title=f"byte-level {args.family} ({args.form}; {args.layers} layers, "
                         f"{args.width} wide, {args.context} tokens) on "
                         f"{getattr(args, 'corpus', 'pydoc_data.topics')}, "
-                        f"{args.steps} steps, {args.seeds} seeds: validation loss (nats/byte)")
+                        f"{args.steps} steps, {args.seeds} seeds"
+                        f"{', bf16 autocast' if getattr(args, 'autocast', False) else ''}: "
+                        "validation loss (nats/byte)")
     seeds = sorted({r["seed"] for r in runs})
     for col in ("level", *(f"seed {s}" for s in seeds), "mean", "vs L0", "s/run"):
         table.add_column(col, justify="right")

@@ -75,8 +75,21 @@ def parameter_like(t: torch.Tensor) -> bool:
     fn = t.grad_fn  # an autocast copy of a parameter: ToCopyBackward0 -> AccumulateGrad
     if fn is not None and type(fn).__name__ == "ToCopyBackward0":  # (name() makes a string)
         nxt = fn.next_functions
-        return len(nxt) == 1 and type(nxt[0][0]).__name__ == "AccumulateGrad"
+        if len(nxt) != 1:
+            return False
+        node = nxt[0][0]
+        for _ in range(2):  # or of a view of one (Falcon's x @ w.T casts w.T)
+            if type(node).__name__ not in _VIEW_NODES:
+                break
+            node = node.next_functions[0][0]
+        return type(node).__name__ == "AccumulateGrad"
     return False
+
+
+#: Backward nodes of views (what a copy of a parameter's view passes through to its leaf).
+_VIEW_NODES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0",
+                         "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                         "AliasBackward0", "ExpandBackward0"})
 
 
 def _needs_grad(args: tuple, kwargs: dict) -> bool:
