@@ -16,8 +16,6 @@ independently rounded copies.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F  # noqa: N812
 
@@ -60,20 +58,23 @@ def rms_norm(s, func, args, kwargs, level):
 
 
 def _shared(s, x, shape, weight, bias, eps, rms: bool, level):
-    autocast = autocast_dtype(x.device.type) is not None if isinstance(x, torch.Tensor) else False
     if (not compressible(x, level) or x.dtype not in _FLOATS or shape is None
             or not isinstance(eps, float | int)
-            or (autocast and x.dtype != torch.float32)  # (cast as the device's policy says)
             or any(t is not None and (not isinstance(t, torch.Tensor) or t.dtype != x.dtype)
                    for t in (weight, bias))):
         return None
     shape = (int(shape),) if isinstance(shape, int) else tuple(shape)
     held: list = []
-    # under autocast a norm of float32 tensors runs in float32, as here; the matmul reading
-    # its output saves autocast's copy of it, which is rebuilt from the same packed x_hat
-    # (Session.derive)
-    with torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
+    if autocast_dtype(x.device.type) is None:
         out = SharedNorm.apply(x, weight, bias, shape, float(eps), rms, s, held)
+    elif x.dtype == torch.float32:
+        # under autocast a norm of float32 tensors runs in float32, as here; a matmul
+        # reading its output saves autocast's copy of it, rebuilt from the same packed x_hat
+        # (Session.derive). A 16-bit input: each device's policy casts it its own way
+        with torch.autocast(x.device.type, enabled=False):
+            out = SharedNorm.apply(x, weight, bias, shape, float(eps), rms, s, held)
+    else:
+        return None
     saved = held[0]
     ap = s.allocating
     if ap is not None and saved.slot is not None:  # x_hat's noise is relative: unscaled

@@ -36,7 +36,6 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.autograd.function import BackwardCFunction
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -327,9 +326,10 @@ class Session:
             # (and autocast's copy of it, which a matmul reads: found through the copy's
             # grad_fn, whose input is this function's node; an in-place change of ``t``
             # would have given the copy another)
-            fn = t.grad_fn  # (a custom function's node: PyTorch's own take no attribute)
-            if isinstance(fn, BackwardCFunction):
-                fn.actune_derived = key
+            try:
+                t.grad_fn.actune_derived = key
+            except AttributeError:  # (a node of PyTorch's own takes no attribute)
+                return
 
     def _derived(self, t: torch.Tensor, bits: int, new: bool) -> Derived | None:
         """``t`` as a :class:`Derived` if it is a tensor :meth:`derive` named, unchanged since,
