@@ -383,8 +383,8 @@ class Session:
             if type(fn).__name__ not in _WHOLE_VIEWS:
                 break
             fn = fn.next_functions[0][0]
-        key = getattr(fn, "actune_derived", None)
-        return None if key is None else self.derived.get(key)
+        key = getattr(fn, "actune_derived", None)  # (storage, offset, numel, dtype)
+        return None if key is None or key[2] != t.numel() else self.derived.get(key)
 
     # -- entering and leaving ------------------------------------------------------------
 
