@@ -59,6 +59,7 @@ from actune.session.recompute import (
 )
 from actune.session.routing import (
     NARROW,
+    ORDER_KEEPING_VIEWS,
     OUTSIDE_OPS,
     FunctionMode,
     OpLabel,
@@ -98,10 +99,6 @@ _WIDTHS: dict[str, Callable[[Level], int | None]] = {
 
 #: The dtypes autocast casts a matmul's input to (an fp32 tensor is nobody's such copy).
 _CAST_DTYPES = frozenset({torch.bfloat16, torch.float16})
-#: Backward nodes of views that keep a contiguous tensor's element order (all of it: the
-#: copy's numel is checked).
-_WHOLE_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
-                          "AliasBackward0"})
 
 
 def _whole_key(t: torch.Tensor) -> tuple:
@@ -380,7 +377,7 @@ class Session:
             return None
         fn = fn.next_functions[0][0]
         for _ in range(3):  # (a view of all of it cast: GPT-2's Conv1D reads x.view(-1, C))
-            if type(fn).__name__ not in _WHOLE_VIEWS:
+            if type(fn).__name__ not in ORDER_KEEPING_VIEWS:  # (numel checked below)
                 break
             fn = fn.next_functions[0][0]
         key = getattr(fn, "actune_derived", None)  # (storage, offset, numel, dtype)

@@ -86,10 +86,12 @@ def parameter_like(t: torch.Tensor) -> bool:
     return False
 
 
+#: Backward nodes of views that keep a contiguous tensor's element order.
+ORDER_KEEPING_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0",
+                                 "ReshapeAliasBackward0", "AliasBackward0"})
 #: Backward nodes of views (what a copy of a parameter's view passes through to its leaf).
-_VIEW_NODES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0",
-                         "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
-                         "AliasBackward0", "ExpandBackward0"})
+_VIEW_NODES = ORDER_KEEPING_VIEWS | {"TBackward0", "TransposeBackward0", "PermuteBackward0",
+                                     "ExpandBackward0"}
 
 
 def _needs_grad(args: tuple, kwargs: dict) -> bool:
