@@ -2,19 +2,19 @@
 
 A sweep for ops without a rule: one small config per architecture (2 layers or stages, 128
 wide, random weights, nothing downloaded), one training step of its own loss under
-``compressed(level, stats=...)`` (L3 by default): the bytes autograd would keep, the bytes kept,
-their ratio and what stayed exact, by op. Language models of every common family (dense and
-mixture of experts), encoders, an encoder-decoder, vision transformers and convolutional
-networks, speech; dropout, drop path and the like off (so that ``--gradients`` compares
-two runs that differ by rounding alone). ``--without-new-rules`` removes the rules of the
-grouped matmuls of mixture-of-experts layers, the vector 2-norms and ``F.normalize`` to show
-the same table as before they existed. ``--gradients`` adds the relative error of the whole
-gradient at ``u8`` against exact. ``--allocator`` adds the level's one-step gradient error
-with uniform widths (``compressed(level)``) beside the same with the bit allocator's widths
-(``compress(model, level)``, after its statistics step), mean of rounding seeds 3-5: where
-the allocator's error is the larger, its noise model misjudges that architecture.
-``--autocast bf16`` runs every step under ``torch.autocast`` (float32 weights), as mixed
-precision training does.
+``compressed(level, stats=...)`` (L3 by default): the bytes autograd would keep, the bytes
+kept, their ratio and what stayed exact, by op. Language models of every common family (dense
+and mixture of experts), encoders, an encoder-decoder, vision transformers and convolutional
+networks, semantic segmentation (the loss over per-pixel logits), speech; dropout, drop path
+and the like off (so that ``--gradients`` compares two runs that differ by rounding alone).
+``--without-new-rules`` removes the rules of the grouped matmuls of mixture-of-experts layers,
+the vector 2-norms and ``F.normalize`` to show the same table as before they existed.
+``--gradients`` adds the relative error of the whole gradient at ``u8`` against exact.
+``--allocator`` adds the level's one-step gradient error with uniform widths
+(``compressed(level)``) beside the same with the bit allocator's widths (``compress(model,
+level)``, after its statistics step), mean of rounding seeds 3-5: where the allocator's error
+is the larger, its noise model misjudges that architecture. ``--autocast bf16`` runs every step
+under ``torch.autocast`` (float32 weights), as mixed precision training does.
 
     python benchmarks/hf_zoo.py [--level L3] [--models mixtral,swinv2] [--without-new-rules]
         [--gradients] [--allocator] [--autocast bf16]
@@ -133,6 +133,25 @@ ZOO: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
         depths=[2, 2, 2], key_dim=[16, 16, 16], num_labels=10))),
     "poolformer": ("image", lambda: t.PoolFormerForImageClassification(t.PoolFormerConfig(
         depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 96, 128], num_labels=10))),
+    # semantic segmentation: the loss over (N, C, H, W) logits, upsampled to the labels
+    "segformer_seg": ("segmentation", lambda: t.SegformerForSemanticSegmentation(
+        # (its default 4 stages: the first attends over a sequence reduced 8 x 8)
+        t.SegformerConfig(depths=[1, 1, 1, 1], hidden_sizes=[16, 32, 64, 128], num_labels=10,
+                          decoder_hidden_size=64, drop_path_rate=0.0,
+                          classifier_dropout_prob=0.0, **_QUIET))),
+    "mobilevit_seg": ("segmentation", lambda: t.MobileViTForSemanticSegmentation(
+        t.MobileViTConfig(image_size=64, hidden_sizes=[32, 48, 64],
+                          neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 128], num_labels=10,
+                          aspp_out_channels=32, classifier_dropout_prob=0.0,
+                          aspp_dropout_prob=0.0, **_QUIET))),
+    "beit_seg": ("segmentation", lambda: t.BeitForSemanticSegmentation(t.BeitConfig(
+        **{**_VIT, "num_hidden_layers": 4}, out_indices=[1, 2, 3, 4],
+        use_auxiliary_head=False, pool_scales=[1, 2], drop_path_rate=0.0, **_QUIET))),
+    "upernet_seg": ("segmentation", lambda: t.UperNetForSemanticSegmentation(t.UperNetConfig(
+        backbone_config=t.ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                         out_features=["stage1", "stage2", "stage3",
+                                                       "stage4"]),
+        hidden_size=32, use_auxiliary_head=False, num_labels=10, pool_scales=[1, 2]))),
     "wav2vec2": ("audio", lambda: t.Wav2Vec2ForSequenceClassification(t.Wav2Vec2Config(
         num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
         conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
@@ -148,9 +167,12 @@ def loss_of(kind: str, model: torch.nn.Module) -> Callable[[], torch.Tensor]:
     if kind in ("causal", "masked", "seq2seq"):
         ids = torch.randint(3, VOCAB, (4, 64), generator=gen)
         return lambda: model(input_ids=ids, labels=ids).loss
-    if kind == "image":
+    if kind in ("image", "segmentation"):
         pixels = torch.randn(4, 3, 64, 64, generator=gen)
-        labels = torch.randint(0, 10, (4,), generator=gen)
+        shape = (4,) if kind == "image" else (4, 64, 64)  # a class a pixel
+        labels = torch.randint(0, 10, shape, generator=gen)
+        if kind == "segmentation":
+            labels[:, :4] = 255  # a border left unlabelled, as datasets do
         return lambda: model(pixel_values=pixels, labels=labels).loss
     values = torch.randn(4, 4000, generator=gen)
     labels = torch.randint(0, 3, (4,), generator=gen)

@@ -53,7 +53,9 @@ def attention(s, func, args, kwargs, level):
     q, k, v = args[0], arg(args, kwargs, 1, "key", None), arg(args, kwargs, 2, "value", None)
     mask = arg(args, kwargs, 3, "attn_mask", None)
     if (not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v))
-            or not compressible(v, level)):
+            or not any(compressible(t, level) for t in (q, k, v))):
+        # (keys and values may be few where the queries are many: SegFormer's attention
+        # over a spatially reduced sequence; the queries and the output then weigh most)
         return None
     bias = mask if isinstance(mask, torch.Tensor) and mask.requires_grad else None
     options = (None if bias is not None else mask, float(arg(args, kwargs, 4, "dropout_p", 0.0)),

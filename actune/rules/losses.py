@@ -1,4 +1,4 @@
-"""Losses: ``F.cross_entropy`` over class logits (the LM head's loss).
+"""Losses: ``F.cross_entropy`` over class logits (an LM head's, a segmentation's).
 
 PyTorch's cross entropy keeps the log-probabilities, an exact float copy of the logits' size,
 until backward: over a large vocabulary the largest tensor of a small LM's step (Cut
@@ -20,13 +20,13 @@ from actune import tunables
 from actune.packing.saved import check_double_backward, take
 from actune.rules.activations import compressible
 from actune.rules.registry import register
-from actune.substitutes.functions import arg
+from actune.substitutes.functions import arg, one_class_per_row
 from actune.substitutes.lazy_logits import LazyLogits, cross_entropy_in_chunks
 
 
 @register((F.cross_entropy,), "loss", None,
           "probabilities rounded at sensitive bits (gradient linear in them), targets exact; "
-          "forward in slices of rows")
+          "forward in slices of rows; (N, C, d1, ...) logits as rows of classes")
 def cross_entropy(s, func, args, kwargs, level):
     x, target = args[0], arg(args, kwargs, 1, "target", None)
     weight = arg(args, kwargs, 2, "weight", None)
@@ -39,13 +39,21 @@ def cross_entropy(s, func, args, kwargs, level):
                                       legacy)
         if out is not None:
             return out
-    if (not compressible(x, level) or x.dim() != 2 or not isinstance(target, torch.Tensor)
-            or target.dim() != 1 or target.is_floating_point() or legacy != (None, None)
-            or reduction not in ("mean", "sum", "none")
+    if (not compressible(x, level) or not isinstance(target, torch.Tensor)
+            or target.is_floating_point() or not one_class_per_row(x, target)
+            or legacy != (None, None) or reduction not in ("mean", "sum", "none")
             or (weight is not None and (smoothing or weight.requires_grad))):
         return None  # class probabilities as targets, legacy arguments...: PyTorch's own
-    return PackedCrossEntropy.apply(x, target, weight, ignore_index, reduction, smoothing,
-                                    level.sensitive_width, s)
+    if x.dim() == 2:
+        return PackedCrossEntropy.apply(x, target, weight, ignore_index, reduction, smoothing,
+                                        level.sensitive_width, s)
+    # (N, C, d1, ...) logits, a segmentation's: one row of classes per position. The rows
+    # are a copy while the loss is computed (PyTorch's log-probabilities are as large, and
+    # kept until backward); what is kept is their packed probabilities
+    rows = x.movedim(1, -1).reshape(-1, x.shape[1])
+    out = PackedCrossEntropy.apply(rows, target.reshape(-1), weight, ignore_index, reduction,
+                                   smoothing, level.sensitive_width, s)
+    return out.reshape(target.shape) if reduction == "none" else out
 
 
 #: Below this, a target's probability has lost precision (float32's smallest normal is
@@ -87,13 +95,21 @@ def _from_log_probabilities(x: torch.Tensor, target: torch.Tensor,
     return logp, loss
 
 
+def _index_dtype(classes: int) -> torch.dtype:
+    """The narrowest integer type holding class indices below ``classes``."""
+    if classes <= 256:
+        return torch.uint8
+    return torch.int16 if classes <= 2**15 else torch.int32
+
+
 def _has_values(t: torch.Tensor) -> bool:
     """Not a fake tensor (an estimate's step: shapes only, no branch on values)."""
     return not isinstance(t, FakeTensor)
 
 
 class PackedCrossEntropy(torch.autograd.Function):
-    """Cross entropy over ``(N, C)`` logits keeping the probabilities packed."""
+    """Cross entropy over ``(N, C)`` logits keeping the probabilities packed (higher-dimensional
+    logits come as rows: see :func:`cross_entropy`)."""
 
     @staticmethod
     def forward(ctx, x, target, weight, ignore_index, reduction, smoothing, bits, session):
@@ -117,22 +133,35 @@ class PackedCrossEntropy(torch.autograd.Function):
             del p
         losses.mul_(row_weight)
         ctx.packed, ctx.rows = packed, rows
-        ctx.target, ctx.row_weight = safe, row_weight
+        # what backward reads of the targets: each row's class in the narrowest integers
+        # that hold it and whether the row counts (a bit), where PyTorch keeps int64 targets
+        # (as large as 4-bit probabilities of 16 classes: a segmentation's)
+        ctx.target = session.packer.pack_small_ints(safe, "cross_entropy targets", (target,),
+                                                    _index_dtype(classes))
+        ctx.valid = session.packer.pack_bool(valid, "cross_entropy targets")
+        ctx.weight = weight
         ctx.conf = (reduction, smoothing, classes, x.dtype)
         if reduction == "none":
             return losses.to(x.dtype)
         total = losses.sum()
-        return (total / row_weight.sum() if reduction == "mean" else total).to(x.dtype)
+        if reduction == "mean":
+            ctx.total = row_weight.sum()
+            total = total / ctx.total
+        return total.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         check_double_backward()
         reduction, smoothing, classes, dtype = ctx.conf
         packed = take(ctx, "packed")
-        coef = ctx.row_weight * grad.float()  # per row: d loss / d p
+        target = take(ctx, "target").get().long()
+        row_weight = take(ctx, "valid").get().to(torch.float32)
+        if ctx.weight is not None:
+            row_weight.mul_(ctx.weight.float()[target])
+        coef = row_weight.mul_(grad.float())  # per row: d loss / d p
         if reduction == "mean":
-            coef = coef / ctx.row_weight.sum()
-        out = torch.empty((ctx.target.numel(), classes), dtype=dtype, device=grad.device)
+            coef = coef / ctx.total
+        out = torch.empty((target.numel(), classes), dtype=dtype, device=grad.device)
         rows = ctx.rows
         for i, saved in enumerate(packed):
             start = i * rows
@@ -140,7 +169,7 @@ class PackedCrossEntropy(torch.autograd.Function):
             in_place = dtype == torch.float32  # (dequantized where it goes: no copy)
             part = (saved.get_into(out[start:start + rows]).mul_(c) if in_place
                     else saved.fresh().float().mul_(c))
-            part.scatter_add_(1, ctx.target[start:start + rows, None], -(1 - smoothing) * c)
+            part.scatter_add_(1, target[start:start + rows, None], -(1 - smoothing) * c)
             if smoothing:
                 part.sub_(c * (smoothing / classes))
             if not in_place:

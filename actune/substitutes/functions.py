@@ -585,6 +585,14 @@ def arg(args: tuple, kwargs: dict, i: int, name: str, default):
     return kwargs.get(name, default)
 
 
+def one_class_per_row(x: torch.Tensor, target: torch.Tensor) -> bool:
+    """Class indices for ``(N, C)`` logits, or for ``(N, C, d1, ...)`` ones at each of the
+    ``(N, d1, ...)`` positions (the classes along dimension 1, as PyTorch's loss reads them)."""
+    if x.dim() < 2 or target.dim() != x.dim() - 1:
+        return False
+    return x.dim() == 2 or target.shape == x.shape[:1] + x.shape[2:]
+
+
 def positive_after(x, y):
     """ReLU's mask: where the output (or, before it exists, the input) is positive."""
     return (y if y is not None else x) > 0

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from actune.levels import Level
 from actune.packing.codebooks import gelu_codebook
-from actune.substitutes.functions import arg, reduced_count
+from actune.substitutes.functions import arg, one_class_per_row, reduced_count
 from actune.substitutes.multihead import decompose
 from actune.traced.attention import PackedAttention, PackedCrossEntropy, RedrawnDropout
 from actune.traced.convolutions import MaskedReLU, PackedBatchNorm, PackedConv
@@ -339,10 +339,12 @@ def _cross_entropy(level, args, kwargs):
     reduction = arg(args, kwargs, 6, "reduction", "mean")
     if (len(args) > 2 or any(v is not None for v in extra.values())
             or arg(args, kwargs, 7, "label_smoothing", 0.0) or level.sensitive_width is None
-            or not _activation(x, level) or x.dim() != 2 or not isinstance(target, torch.Tensor)
-            or target.dim() != 1 or target.is_floating_point()
+            or not _activation(x, level) or not isinstance(target, torch.Tensor)
+            or target.is_floating_point() or not one_class_per_row(x, target)
             or reduction not in ("mean", "sum")):
         return None
+    if x.dim() > 2:  # (N, C, d1, ...): rows of classes, as the eager rule takes them
+        x, target = x.movedim(1, -1).reshape(-1, x.shape[1]), target.reshape(-1)
     return PackedCrossEntropy.apply(x, target, int(kwargs.get("ignore_index", -100)), reduction,
                                     level.sensitive_width, level.group_size)
 

@@ -133,6 +133,26 @@ def test_keeps_only_packed_q_k_v():
     assert s.ratio > 6
 
 
+def test_few_keys_and_values_over_many_queries_are_compressed_too():
+    """Keys and values over a spatially reduced sequence (SegFormer's attention: 16 of them
+    under ``min_numel``) against 1,024 queries: the rule runs, nothing stays exact, and the
+    gradients are close at 8 bits (before, the small values turned the rule off and the
+    queries and the output were kept exact)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 1024, 16, generator=gen).requires_grad_()
+    k, v = (torch.randn(2, 1, 16, 16, generator=gen).requires_grad_() for _ in range(2))
+    fn = attention({})
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        fn(q, k, v).sum().backward()
+    assert st[0].exact == {}, st[0].exact
+    assert {"attention q/k", "attention v"} <= set(st[0].by_kind)
+    exact = exact_grads(fn, (q, k, v))
+    got = input_grads(fn, (q, k, v), level(8), 1)
+    for name, g, e in zip("qkv", got, exact, strict=True):
+        assert relative_error(g[0], e[0]) < 0.02, name
+
+
 def test_exact_q_k_are_named_in_the_statistics():
     inputs = qkv(seq=64)
     st = []

@@ -122,3 +122,67 @@ def test_probabilities_are_packed_at_the_levels_sensitive_bits(name, bits):
         F.cross_entropy(x * 1.0, TARGET.clamp(min=0))
     groups = -(-x.numel() // 256)
     assert st[0].by_kind["cross_entropy"] == groups * (256 * bits // 8 + 4)  # codes, meta
+
+
+#: (N, C, H, W) logits against (N, H, W) targets: a segmentation's loss.
+PIXEL_TARGET = torch.randint(0, 12, (2, 16, 16), generator=torch.Generator().manual_seed(3))
+PIXEL_TARGET[:, 0] = 255  # ignored pixels (a segmentation's border class)
+PIXEL_CASES = {
+    "mean": {"ignore_index": 255},
+    "none": {"ignore_index": 255, "reduction": "none"},
+    "weight": {"ignore_index": 255, "weight": WEIGHT[:12]},
+    "smoothing": {"ignore_index": 255, "label_smoothing": 0.1},
+}
+
+
+def pixel_logits() -> torch.Tensor:
+    x = torch.randn(2, 12, 16, 16, generator=torch.Generator().manual_seed(4)) * 3
+    return x.requires_grad_()
+
+
+@pytest.mark.parametrize("case", list(PIXEL_CASES))
+def test_per_position_logits_keep_packed_probabilities_and_an_unbiased_gradient(case):
+    """Logits with the classes along dimension 1 and positions after them (a segmentation's)
+    take the same rule, as rows of classes: PyTorch's value and shape, nothing exact, the
+    gradient close at 8 bits and unbiased at 2."""
+    kwargs = PIXEL_CASES[case]
+    fn = lambda x: F.cross_entropy(x * 1.0, PIXEL_TARGET, **kwargs)  # noqa: E731
+    x = pixel_logits()
+    with torch.no_grad():
+        ref = fn(x)
+    st = []
+    with actune.compressed("L3", stats=st.append), torch.enable_grad():
+        got = fn(x)
+    torch.testing.assert_close(got, ref)
+    assert st[0].exact == {} and st[0].by_kind["cross_entropy"] > 0
+    (exact,) = exact_grads(fn, (x,))
+    (eight,) = input_grads(fn, (x,), level(8), 1)
+    assert relative_error(eight[0], exact[0]) < 0.02
+    (two,) = input_grads(fn, (x,), level(2), 256)
+    assert shrinks_like_noise(two, exact[0], large=256) < 0.25
+
+
+def test_mismatched_per_position_targets_fall_back_to_pytorchs_error():
+    x = pixel_logits()
+    with actune.compressed("L3"), pytest.raises(RuntimeError):
+        F.cross_entropy(x * 1.0, PIXEL_TARGET[:, :9])
+
+
+@pytest.mark.parametrize(("classes", "dtype"), [(12, torch.uint8), (300, torch.int16),
+                                                 (40_000, torch.int32)])
+def test_targets_are_kept_in_the_narrowest_integers_and_counted(classes, dtype):
+    """PyTorch keeps int64 targets beside the log-probabilities; the rule keeps each row's
+    class in the narrowest integer type holding it and a bit for whether the row counts, and
+    the statistics count both sides."""
+    rows = 256
+    x = torch.randn(rows, classes, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_()
+    target = torch.randint(0, classes, (rows,), generator=torch.Generator().manual_seed(1))
+    target[::5] = -100
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        F.cross_entropy(x * 1.0, target).backward()
+    kept = st[0].by_kind["cross_entropy targets"]
+    assert kept == rows * dtype.itemsize + rows // 8
+    assert st[0].saved_bytes == x.numel() * 4 + rows * 8  # log-probabilities, int64 targets
+    assert losses._index_dtype(classes) is dtype

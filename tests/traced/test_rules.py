@@ -106,6 +106,10 @@ def _case(name):
         target = torch.randint(0, 40, (256,), generator=gen)
         target[:7] = -100
         return (lambda x: F.cross_entropy(x, target)), (r(256, 40),)
+    if name == "cross_entropy_pixels":  # (a segmentation's (N, C, H, W) logits)
+        target = torch.randint(0, 10, (4, 8, 8), generator=gen)
+        target[:, 0] = -100
+        return (lambda x: F.cross_entropy(x, target)), (r(4, 10, 8, 8),)
     if name == "conv":
         return (lambda x, w, b: F.conv2d(x, w, b, 1, 1)), \
             (r(4, 3, 16, 16), r(8, 3, 3, 3, weight=True), r(8))
@@ -148,7 +152,8 @@ CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "hardswish",
          "hardswish_inplace", "mish", "elu", "elu_inplace", "selu", "softplus", "logsigmoid",
          "softsign", "tanhshrink", "relu6", "hardtanh", "hardsigmoid", "hardsigmoid_inplace",
          "leaky_relu", "layer_norm", "rms_norm",
-         "softmax", "mul", "attention_map", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy", "conv",
+         "softmax", "mul", "attention_map", "sdpa_causal_gqa", "sdpa_mask", "cross_entropy",
+         "cross_entropy_pixels", "conv",
          "conv_channels_last", "relu", "relu_channels_last", "relu_inplace", "relu_",
          "batch_norm", "batch_norm_channels_last", "vector_norm", "vector_norm_rows",
          "normalize")

@@ -82,10 +82,12 @@ def test_scale_chooses_the_blocks_too(tmp_path):
                                       "--json", str(out)], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     rows = {r["level"]: r for r in json.loads(out.read_text())["levels"]}
-    # at L3 both blocks' recomputations hold more than they save: neither is checkpointed
-    assert sorted(rows["L3+ckpt"]["whole_blocks"]) == ["1", "2"]
+    # at L3 the second block's recomputation holds more than it saves: it runs whole; the
+    # first's saves a little (23 KB of a 62 MB peak at width 1.25x since the loss keeps its
+    # targets in a byte each): it stays checkpointed
+    assert rows["L3+ckpt"]["whole_blocks"] == ["2"]
     assert rows["L3+ckpt"]["value"] >= rows["L3"]["value"]
-    assert "L3+ckpt: no block checkpointed" in result.output
+    assert "L3+ckpt: 1 of 2 blocks checkpointed" in result.output
 
 
 def test_bench_times_the_blocks_maxbatch_would_choose(tmp_path):
