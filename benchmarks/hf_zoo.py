@@ -5,16 +5,17 @@ wide, random weights, nothing downloaded), one training step of its own loss und
 ``compressed(level, stats=...)`` (L3 by default): the bytes autograd would keep, the bytes
 kept, their ratio and what stayed exact, by op. Language models of every common family (dense
 and mixture of experts), encoders, an encoder-decoder, vision transformers and convolutional
-networks, semantic segmentation (the loss over per-pixel logits), speech; dropout, drop path
-and the like off (so that ``--gradients`` compares two runs that differ by rounding alone).
-``--without-new-rules`` removes the rules of the grouped matmuls of mixture-of-experts layers,
-the vector 2-norms and ``F.normalize`` to show the same table as before they existed.
-``--gradients`` adds the relative error of the whole gradient at ``u8`` against exact.
-``--allocator`` adds the level's one-step gradient error with uniform widths
-(``compressed(level)``) beside the same with the bit allocator's widths (``compress(model,
-level)``, after its statistics step), mean of rounding seeds 3-5: where the allocator's error
-is the larger, its noise model misjudges that architecture. ``--autocast bf16`` runs every step
-under ``torch.autocast`` (float32 weights), as mixed precision training does.
+networks, semantic segmentation (the loss over per-pixel logits), masked-autoencoder
+pretraining, speech; dropout, drop path and the like off (so that ``--gradients`` compares two
+runs that differ by rounding alone). ``--without-new-rules`` removes the rules of the grouped
+matmuls of mixture-of-experts layers, the vector 2-norms and ``F.normalize`` to show the same
+table as before they existed. ``--gradients`` adds the relative error of the whole gradient at
+``u8`` against exact. ``--allocator`` adds the level's one-step gradient error with uniform
+widths (``compressed(level)``) beside the same with the bit allocator's widths
+(``compress(model, level)``, after its statistics step), mean of rounding seeds 3-5: where the
+allocator's error is the larger, its noise model misjudges that architecture. ``--autocast
+bf16`` runs every step under ``torch.autocast`` (float32 weights), as mixed precision training
+does.
 
     python benchmarks/hf_zoo.py [--level L3] [--models mixtral,swinv2] [--without-new-rules]
         [--gradients] [--allocator] [--autocast bf16]
@@ -133,6 +134,11 @@ ZOO: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
         depths=[2, 2, 2], key_dim=[16, 16, 16], num_labels=10))),
     "poolformer": ("image", lambda: t.PoolFormerForImageClassification(t.PoolFormerConfig(
         depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 96, 128], num_labels=10))),
+    # masked-autoencoder pretraining: the kept patches gathered, the masked ones restored
+    "vitmae": ("masked_image", lambda: t.ViTMAEForPreTraining(t.ViTMAEConfig(
+        **{k: v for k, v in _VIT.items() if k != "num_labels"}, decoder_num_hidden_layers=1,
+        decoder_hidden_size=64, decoder_intermediate_size=128, decoder_num_attention_heads=4,
+        **_QUIET))),
     # semantic segmentation: the loss over (N, C, H, W) logits, upsampled to the labels
     "segformer_seg": ("segmentation", lambda: t.SegformerForSemanticSegmentation(
         # (its default 4 stages: the first attends over a sequence reduced 8 x 8)
@@ -174,6 +180,10 @@ def loss_of(kind: str, model: torch.nn.Module) -> Callable[[], torch.Tensor]:
         if kind == "segmentation":
             labels[:, :4] = 255  # a border left unlabelled, as datasets do
         return lambda: model(pixel_values=pixels, labels=labels).loss
+    if kind == "masked_image":  # (the masking's noise given: the same patches every step)
+        pixels = torch.randn(4, 3, 64, 64, generator=gen)
+        noise = torch.rand(4, (64 // 8) ** 2, generator=gen)
+        return lambda: model(pixel_values=pixels, noise=noise).loss
     values = torch.randn(4, 4000, generator=gen)
     labels = torch.randint(0, 3, (4,), generator=gen)
     return lambda: model(input_values=values, labels=labels).loss

@@ -1,10 +1,11 @@
 """Elementwise math written inline: products, powers, exp, sqrt, rsqrt, reciprocal, erf, log,
-sin, cos, and embeddings.
+sin, cos; embeddings and gathers.
 
 * A product ``a * b`` saves each operand for the other's gradient: linear in each, so they are
   rounded at ``other_bits`` (unbiased). The same holds for ``exp`` (backward ``grad * y``),
   ``x ** 2`` and ``square`` (backward ``2 * grad * x``). An embedding saves its indices: kept
-  exact, in the narrowest integer type its table's rows need.
+  exact, in the narrowest integer type its table's rows need. So does ``gather``, whose
+  backward reads no value of its input (PyTorch keeps the input too).
 * Every other op here has a nonlinear backward in what it saves; it saves its derivative,
   rounded and used linearly, instead (GPT-2's ``x ** 3``, RMSNorm's ``rsqrt``, ...).
 
@@ -55,9 +56,8 @@ class CompactEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, session):
         rows = weight.shape[0]
-        dtype = (torch.uint8 if rows <= 256 else torch.int16 if rows <= 32768
-                 else torch.int32)
-        ctx.ids = session.packer.pack_small_ints(ids, "embedding indices", (ids,), dtype)
+        ctx.ids = session.packer.pack_small_ints(ids, "embedding indices", (ids,),
+                                                 _index_dtype(rows))
         ctx.conf = (rows, padding_idx, scale_grad_by_freq)
         return F.embedding(ids, weight, None if padding_idx < 0 else padding_idx)
 
@@ -69,6 +69,49 @@ class CompactEmbedding(torch.autograd.Function):
         return (torch.ops.aten.embedding_dense_backward(grad, ids, rows, padding_idx,
                                                         scale_grad_by_freq),
                 None, None, None, None)
+
+
+def _index_dtype(size: int) -> torch.dtype:
+    """The narrowest integer type holding indices below ``size``."""
+    return torch.uint8 if size <= 256 else torch.int16 if size <= 32768 else torch.int32
+
+
+@register((torch.gather, torch.Tensor.gather), "elementwise", None,
+          "indices exact, in the narrowest integer type the gathered dimension needs; the "
+          "input not kept (its gradient reads only its shape)")
+def gather(s, func, args, kwargs, level):
+    """``torch.gather(x, dim, index)`` saves ``x`` and the int64 ``index`` (ViTMAE's token
+    shuffles, an ``index`` repeated over the features); its backward scatters the gradient
+    by the index and reads no value of ``x``. Kept: the index, in uint8 up to 256 positions,
+    int16 up to 32,768, else int32 (``x``'s size along ``dim`` bounds it: no value read)."""
+    x = args[0]
+    dim, index = arg(args, kwargs, 1, "dim", None), arg(args, kwargs, 2, "index", None)
+    if (not isinstance(x, torch.Tensor) or not isinstance(index, torch.Tensor)
+            or not isinstance(dim, int) or index.dtype != torch.int64
+            or arg(args, kwargs, 3, "sparse_grad", False) or "out" in kwargs
+            or index.numel() < level.min_numel or x.dim() == 0):
+        return None
+    return CompactGather.apply(x, dim % x.dim(), index, s)
+
+
+class CompactGather(torch.autograd.Function):
+    """``torch.gather`` keeping only its index, in the narrowest integer type (see
+    :func:`gather`); its backward is PyTorch's (a scatter-add of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, index, session):
+        ctx.index = session.packer.pack_small_ints(index, "gather indices", (index, x),
+                                                   _index_dtype(x.shape[dim]))
+        ctx.conf = (dim, x.shape, x.dtype)
+        return torch.gather(x, dim, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        dim, shape, dtype = ctx.conf
+        index = take(ctx, "index").get().long()
+        out = torch.zeros(shape, dtype=dtype, device=grad.device)
+        return out.scatter_add_(dim, index, grad.to(dtype)), None, None, None
 
 
 @register((torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,

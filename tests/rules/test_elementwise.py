@@ -111,3 +111,32 @@ def test_embedding_indices_in_the_narrowest_type_its_table_needs(rows, padding_i
     (y * g).sum().backward()
     assert torch.equal(w.grad, exact)
     assert st[0].by_kind == {"embedding indices": ids.numel() * width} and st[0].exact == {}
+
+
+@pytest.mark.parametrize(("size", "width", "spelling"),
+                         [(64, 1, "function"), (300, 2, "method"), (40000, 4, "function")])
+def test_gather_keeps_its_index_in_the_narrowest_type_and_not_its_input(size, width,
+                                                                        spelling):
+    """ViTMAE's token shuffle: ``gather(x, 1, ids.unsqueeze(-1).repeat(1, 1, dim))``. PyTorch
+    keeps ``x`` and the int64 index; the rule keeps the index alone, in uint8 up to 256
+    positions, int16 up to 32,768, else int32, and the input's gradient is PyTorch's exactly
+    (a negative ``dim`` too)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, size, 16, generator=gen, requires_grad=True)
+    ids = torch.randint(0, size, (2, 48), generator=gen)
+    index = ids.unsqueeze(-1).repeat(1, 1, 16)
+    g = torch.randn(2, 48, 16, generator=gen)
+
+    def fn(t):
+        return torch.gather(t * 1.0, -2, index) if spelling == "function" else \
+            (t * 1.0).gather(1, index)
+
+    (fn(x) * g).sum().backward()
+    exact, x.grad = x.grad.clone(), None
+    st = []
+    with actune.compressed("L3", stats=st.append):
+        y = fn(x)
+    (y * g).sum().backward()
+    assert torch.equal(x.grad, exact)
+    assert st[0].by_kind == {"gather indices": index.numel() * width} and st[0].exact == {}
+    assert st[0].saved_bytes == index.numel() * 8 + x.numel() * 4  # what PyTorch keeps
