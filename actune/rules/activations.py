@@ -79,7 +79,8 @@ def silu(s, func, args, kwargs, level):
     return SavedDerivative.apply(x, F.silu, silu_derivative, level.other_bits, s, True)
 
 
-@register((torch.sigmoid, F.sigmoid, torch.Tensor.sigmoid), "activation", None, _DERIVATIVE)
+@register((torch.sigmoid, F.sigmoid, torch.Tensor.sigmoid, torch.special.expit), "activation",
+          None, _DERIVATIVE)
 def sigmoid(s, func, args, kwargs, level):
     x = args[0]
     if not compressible(x, level):
@@ -97,8 +98,8 @@ def tanh(s, func, args, kwargs, level):
                                  False)
 
 
-@register((F.softmax, torch.softmax, torch.Tensor.softmax), "activation", None,
-          "two independently rounded copies of the output (backward quadratic in it)")
+@register((F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax), "activation",
+          None, "two independently rounded copies of the output (backward quadratic in it)")
 def softmax(s, func, args, kwargs, level):
     x = args[0]
     dim = arg(args, kwargs, 1, "dim", None)
@@ -127,7 +128,8 @@ def glu(s, func, args, kwargs, level):
     return DerivativeGLU.apply(x, arg(args, kwargs, 1, "dim", -1), level.other_bits, s)
 
 
-@register((F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax), "activation", None,
+@register((F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+           torch.special.log_softmax), "activation", None,
           "the probabilities rounded at other bits (backward linear in them)")
 def log_softmax(s, func, args, kwargs, level):
     x = args[0]

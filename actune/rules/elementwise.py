@@ -115,7 +115,8 @@ class CompactGather(torch.autograd.Function):
 
 
 @register((torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
-           torch.Tensor.mul_, torch.Tensor.__imul__), "elementwise", "other",
+           torch.Tensor.mul_, torch.Tensor.__imul__, torch.multiply, torch.Tensor.multiply,
+           torch.Tensor.multiply_), "elementwise", "other",
           "operands rounded at other bits (backward linear in each); an operand broadcast "
           "over the other (rotary cos/sin, RMSNorm's rstd, a mask) exact")
 def product(s, func, args, kwargs, level):
@@ -142,7 +143,7 @@ def product(s, func, args, kwargs, level):
 
 
 _OUT_OF_PLACE = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__,
-                           torch.Tensor.__rmul__})
+                           torch.Tensor.__rmul__, torch.multiply, torch.Tensor.multiply})
 
 
 class GatedProduct(torch.autograd.Function):

@@ -48,6 +48,12 @@ OPS = {
     # (t * 1.0: a leaf's saved value stays a reference, as parameters do)
     "square": (lambda t: (t * 1.0).square() + (t * 1.0).pow(2), lambda t: t),
     "clamp": (lambda t: t.clamp(-0.5, 0.7), lambda t: t),
+    # other spellings of ops with rules (ConvBERT's torch.multiply was kept exact)
+    "multiply": (lambda t: torch.multiply(t, t.tanh()), lambda t: t),
+    "multiply_method": (lambda t: t.sin().multiply(t.cos()), lambda t: t),
+    "expit": (torch.special.expit, lambda t: t),
+    "special_softmax": (lambda t: torch.special.softmax(t, -1), lambda t: t),
+    "special_log_softmax": (lambda t: torch.special.log_softmax(t, -1) * t.cos(), lambda t: t),
 }
 
 
