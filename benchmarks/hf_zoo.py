@@ -105,6 +105,10 @@ ZOO: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
                                                                         pad_token_id=1))),
     "deberta_v2": ("masked", lambda: t.DebertaV2ForMaskedLM(t.DebertaV2Config(
         **_ENCODER, pad_token_id=0))),
+    "convbert": ("masked", lambda: t.ConvBertForMaskedLM(t.ConvBertConfig(
+        **_ENCODER, embedding_size=128, **_QUIET))),
+    "longformer": ("masked", lambda: t.LongformerForMaskedLM(t.LongformerConfig(
+        **_ENCODER, attention_window=16, max_position_embeddings=130, **_QUIET))),
     "bart": ("seq2seq", lambda: t.BartForConditionalGeneration(t.BartConfig(
         encoder_layers=1, decoder_layers=1, d_model=128, encoder_ffn_dim=256,
         decoder_ffn_dim=256, encoder_attention_heads=4, decoder_attention_heads=4,

@@ -94,13 +94,23 @@ _VIEW_NODES = ORDER_KEEPING_VIEWS | {"TBackward0", "TransposeBackward0", "Permut
                                      "ExpandBackward0"}
 
 
-def _needs_grad(args: tuple, kwargs: dict) -> bool:
-    """Does the call record gradients (grad mode on, a tensor argument that requires them)?"""
+#: Functions with a rule that may take their tensors in one list argument.
+_LISTED = frozenset({torch.einsum})
+
+
+def _needs_grad(args: tuple, kwargs: dict, func=None) -> bool:
+    """Does the call record gradients (grad mode on, a tensor argument that requires them, or
+    for ``_LISTED`` functions one in a list argument: ``torch.einsum(equation, [a, b])``)?"""
     if not torch.is_grad_enabled():
         return False
     for a in args:
         if isinstance(a, torch.Tensor) and a.requires_grad:
             return True
+    if func in _LISTED:
+        for a in args:
+            if isinstance(a, list | tuple) and any(
+                    isinstance(t, torch.Tensor) and t.requires_grad for t in a):
+                return True
     if kwargs:
         for a in kwargs.values():
             if isinstance(a, torch.Tensor) and a.requires_grad:
@@ -195,7 +205,7 @@ class FunctionMode(TorchFunctionMode):
             finally:
                 s.label = previous
         kwargs = kwargs or {}
-        if rule is _QUERY or not args or not _needs_grad(args, kwargs):
+        if rule is _QUERY or not args or not _needs_grad(args, kwargs, func):
             return func(*args, **kwargs)  # (a batch norm asks its input's dim() each call)
         return self._routed(func, rule, args, kwargs)
 
@@ -203,7 +213,7 @@ class FunctionMode(TorchFunctionMode):
         """A call while torch.compile traces or compiles: the traced rules, or the eager
         routing outside the graph (see ``_eagerly``)."""
         kwargs = kwargs or {}
-        if func in _QUERIES or not args or not _needs_grad(args, kwargs):
+        if func in _QUERIES or not args or not _needs_grad(args, kwargs, func):
             return func(*args, **kwargs)
         if traced():  # Dynamo traces this: the traced rules (torch.compiler.is_compiling:
             # Dynamo guards on a read of torch's own flag and would compile again each call)
@@ -300,7 +310,10 @@ def _label(s, func, rule, args, kwargs) -> OpLabel:
     exact: dict[int, str] | tuple = ()
     if matmul:  # (one pass over the arguments, no generators: every conv and linear call)
         at = rule.weight_at
-        for i, a in enumerate(args):
+        operands = args
+        if func in _LISTED and len(args) == 2 and isinstance(args[1], list | tuple):
+            operands = (args[0], *args[1])  # (einsum's operands in one list)
+        for i, a in enumerate(operands):
             if not isinstance(a, torch.Tensor):
                 continue
             if parameter_like(a):

@@ -26,6 +26,8 @@ OPS = {
     "baddbmm": lambda t: torch.baddbmm(_B.to(t.dtype), t.view(4, 4, 64) * 1.0,
                                        _W.to(t.dtype).expand(4, 64, 48)).square(),
     "einsum": lambda t: torch.einsum("ij,jk->ik", t * 1.0, _W.to(t.dtype)).square(),
+    # the operands as one list (Longformer's sliding-window scores): kept exact before
+    "einsum_listed": lambda t: torch.einsum("ij,kj->ik", [t * 1.0, t.tanh()]).square(),
     "self_product": lambda t: (t @ t.transpose(-1, -2)).square(),
     "conv2d": lambda t: F.conv2d(t.view(4, 4, 8, 8) * 1.0, _C.to(t.dtype), padding=1).square(),
     "conv_transpose2d": lambda t: F.conv_transpose2d(
