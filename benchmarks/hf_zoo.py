@@ -59,6 +59,13 @@ _SWIN = {"image_size": 64, "patch_size": 4, "embed_dim": 32, "depths": [1, 1],
          "num_heads": [2, 4], "window_size": 4, "num_labels": 10, "drop_path_rate": 0.0,
          **_QUIET}
 
+_SPEECH = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
+           "num_attention_heads": 4, "conv_dim": (32, 32, 32), "conv_stride": (5, 2, 2),
+           "conv_kernel": (10, 3, 3), "num_conv_pos_embeddings": 16,
+           "num_conv_pos_embedding_groups": 4, "num_labels": 3, "vocab_size": 32,
+           "hidden_dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+           "feat_proj_dropout": 0.0, "layerdrop": 0.0, "mask_time_prob": 0.0}
+
 #: name -> (input kind, a builder of the model)
 ZOO: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
     "llama": ("causal", lambda: t.LlamaForCausalLM(t.LlamaConfig(**_GQA, **_LM))),
@@ -163,11 +170,9 @@ ZOO: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
                                                        "stage4"]),
         hidden_size=32, use_auxiliary_head=False, num_labels=10, pool_scales=[1, 2]))),
     "wav2vec2": ("audio", lambda: t.Wav2Vec2ForSequenceClassification(t.Wav2Vec2Config(
-        num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-        conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
-        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, num_labels=3,
-        vocab_size=32, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0))),
+        **_SPEECH))),
+    # attention through F.multi_head_attention_forward, its gated position bias as the mask
+    "wavlm": ("audio", lambda: t.WavLMForSequenceClassification(t.WavLMConfig(**_SPEECH))),
 }
 
 

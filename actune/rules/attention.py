@@ -286,8 +286,8 @@ def _replayed(ctx):
 @register((F.multi_head_attention_forward,), "attention", None,
           "nn.MultiheadAttention's usual path computed as its calls (the projections' "
           "inputs at matmul bits, the attention as scaled_dot_product_attention's rule, or "
-          "with its weights returned as their products' and softmax's); elsewhere (a key "
-          "padding mask, a mask of its own...) PyTorch's own code, exact")
+          "with its weights returned as their products' and softmax's), its masks merged "
+          "as PyTorch's; elsewhere (bias_k, zero attention...) PyTorch's own code, exact")
 def multihead_attention(s, func, args, kwargs, level):
     with s.routing():  # (its calls routed one by one, as a model's own would be)
         return decompose(args, kwargs)

@@ -4,11 +4,12 @@ PyTorch's function is one call to a function mode: the linear projections and th
 inside it run with the mode off, so everything they save stays exact (a 128-wide
 ``nn.TransformerEncoderLayer``: 6-17 MiB a layer, batch 16 x 128). :func:`decompose` computes
 its usual path (batched input, packed or separate input projections of one width, no
-``bias_k``/``bias_v``/zero attention/static keys, no key padding mask, no mask or the causal
-hint; the attention weights returned too, without a mask) as the same calls PyTorch's code
-makes (``F.linear``, ``F.scaled_dot_product_attention``; with the weights ``bmm``, softmax,
-dropout), which a mode then routes one by one; elsewhere it returns None and PyTorch's own
-code runs. Knows nothing of actune's sessions.
+``bias_k``/``bias_v``/zero attention/static keys; an attention mask, boolean or additive, and a
+key padding mask, merged as PyTorch merges them: WavLM's gated relative position bias is such
+a mask, with a gradient; the attention weights returned too) as the same calls PyTorch's code
+makes (``F.linear``, ``F.scaled_dot_product_attention``; with the weights ``baddbmm`` or
+``bmm``, softmax, dropout), which a mode then routes one by one; elsewhere it returns None and
+PyTorch's own code runs. Knows nothing of actune's sessions.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ __all__ = ["decompose"]
 
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 #: arguments that must hold these values for the usual path
-_PLAIN = {"bias_k": None, "bias_v": None, "add_zero_attn": False, "key_padding_mask": None,
-          "static_k": None, "static_v": None}
+_PLAIN = {"bias_k": None, "bias_v": None, "add_zero_attn": False, "static_k": None,
+          "static_v": None}
 
 
 def decompose(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -39,18 +40,25 @@ def decompose(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | N
     bound.apply_defaults()
     a = bound.arguments
     query, key, value = a["query"], a["key"], a["value"]
-    masked, causal = a["attn_mask"] is not None, bool(a["is_causal"])
-    # (the causal hint comes with its mask, which PyTorch's code then drops for the hint;
-    # with the weights it keeps the mask: not taken here)
+    mask, padding, causal = a["attn_mask"], a["key_padding_mask"], bool(a["is_causal"])
     if (any(a[name] is not value_ and a[name] != value_ for name, value_ in _PLAIN.items())
-            or query.dim() != 3 or key.shape != value.shape
-            or masked != causal  # (a mask of its own; or the hint alone: PyTorch raises)
-            or (a["need_weights"] and masked)):
+            or query.dim() != 3 or key.dim() != 3 or key.shape != value.shape
+            or (causal and mask is None)):  # (the hint alone: PyTorch raises)
         return None
     tgt_len, bsz, embed_dim = query.shape
-    heads = a["num_heads"]
+    src_len, heads = key.shape[0], a["num_heads"]
     if embed_dim != a["embed_dim_to_check"] or embed_dim % heads:
         return None
+    # the causal hint comes with its mask, which PyTorch's code drops for the hint where
+    # neither a padding mask nor the weights need it; elsewhere the mask is used and the hint
+    # dropped (merged with a padding mask, it is no longer causal)
+    if causal and padding is None and not a["need_weights"]:
+        mask = None
+    else:
+        causal = False
+        mask = _merged(mask, padding, query.dtype, bsz, heads, tgt_len, src_len)
+        if mask is _UNTAKEN:
+            return None
     head_dim = embed_dim // heads
     q, k, v = _project(query, key, value, a)
     if q is None:
@@ -58,7 +66,9 @@ def decompose(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | N
     q, k, v = (t.reshape(t.shape[0], bsz * heads, head_dim).transpose(0, 1) for t in (q, k, v))
     dropout_p = a["dropout_p"] if a["training"] else 0.0
     if a["need_weights"]:
-        weights = torch.bmm(q * math.sqrt(1.0 / float(head_dim)), k.transpose(-2, -1))
+        q = q * math.sqrt(1.0 / float(head_dim))
+        weights = (torch.bmm(q, k.transpose(-2, -1)) if mask is None
+                   else torch.baddbmm(mask, q, k.transpose(-2, -1)))
         weights = F.softmax(weights, dim=-1)
         if dropout_p > 0.0:
             weights = F.dropout(weights, p=dropout_p)
@@ -68,11 +78,45 @@ def decompose(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | N
             weights = weights.mean(dim=1)
     else:
         q, k, v = (t.view(bsz, heads, t.shape[1], head_dim) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, None, dropout_p, causal)
+        if mask is not None:  # (bsz * heads or 1, L, S) -> SDPA's broadcastable 4-d mask
+            mask = (mask.unsqueeze(0) if mask.shape[0] == 1
+                    else mask.view(bsz, heads, -1, src_len))
+        out = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, causal)
         out = out.permute(2, 0, 1, 3).contiguous().view(bsz * tgt_len, embed_dim)
         weights = None
     out = F.linear(out, a["out_proj_weight"], a["out_proj_bias"])
     return out.view(tgt_len, bsz, out.size(1)), weights
+
+
+#: What :func:`_merged` returns for a mask it does not take.
+_UNTAKEN = object()
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: not attended) as PyTorch's code makes it additive: 0 and -inf."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask, float("-inf"))
+
+
+def _merged(mask, padding, dtype, bsz: int, heads: int, tgt_len: int, src_len: int):
+    """The attention mask, ``(L, S)`` or ``(bsz * heads, L, S)``, and the key padding mask,
+    ``(bsz, S)``, as one additive ``(bsz * heads or 1, L, S)`` mask (None if neither), as
+    PyTorch's code merges them; :data:`_UNTAKEN` for shapes it would reject."""
+    if mask is not None:
+        if mask.dim() == 2 and mask.shape == (tgt_len, src_len):
+            mask = mask.unsqueeze(0)
+        elif mask.dim() != 3 or mask.shape != (bsz * heads, tgt_len, src_len):
+            return _UNTAKEN
+        mask = _additive(mask, dtype)
+    if padding is not None:
+        if padding.shape != (bsz, src_len):
+            return _UNTAKEN
+        padding = _additive(padding, dtype).view(bsz, 1, 1, src_len).expand(
+            -1, heads, -1, -1).reshape(bsz * heads, 1, src_len)
+        mask = padding if mask is None else mask + padding
+    return mask
 
 
 def _project(query, key, value, a):

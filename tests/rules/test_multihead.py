@@ -64,15 +64,68 @@ def test_with_the_weights_too(average):
     assert weights.shape == ref_weights.shape and torch.allclose(weights, ref_weights, atol=1e-6)
 
 
+def _masks(case: str, bsz=3, heads=4, tgt=7, src=7):
+    gen = torch.Generator().manual_seed(3)
+    padding = torch.zeros(bsz, src, dtype=torch.bool)
+    padding[0, -2:] = True  # the first sequence's last two keys are padding
+    bias = torch.randn(bsz * heads, tgt, src, generator=gen).requires_grad_()
+    causal = nn.Transformer.generate_square_subsequent_mask(tgt)
+    return {
+        "bool_mask": {"attn_mask": torch.rand(tgt, src, generator=gen) > 0.8},
+        # WavLM's gated relative position bias: per head, with a gradient of its own
+        "learned_bias": {"attn_mask": bias},
+        "padding": {"key_padding_mask": padding},
+        "bias_and_padding": {"attn_mask": bias, "key_padding_mask": padding},
+        "float_padding": {"key_padding_mask": torch.where(padding, -1e4, 0.0)},
+        "causal_and_padding": {"attn_mask": causal, "is_causal": True,
+                               "key_padding_mask": padding},
+    }[case]
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("case", ["bool_mask", "learned_bias", "padding", "bias_and_padding",
+                                  "float_padding", "causal_and_padding"])
+def test_masks_are_merged_as_pytorch_merges_them(case, need_weights):
+    """An attention mask (boolean, or additive with a gradient: WavLM's position bias) and a
+    key padding mask, alone or together: PyTorch's output, weights and gradients, the mask's
+    included (these calls ran PyTorch's own code, everything in it kept exact)."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(32, 4)
+    q = torch.randn(7, 3, 32, requires_grad=True)
+    masks = _masks(case)
+
+    def run(fn):
+        out, weights = fn(q, q, q, 32, 4, m.in_proj_weight, m.in_proj_bias, None, None,
+                          False, 0.0, m.out_proj.weight, m.out_proj.bias, training=True,
+                          need_weights=need_weights, **masks)
+        loss = out.square().sum() + (0 if weights is None else weights.square().sum())
+        leaves = [q, m.in_proj_weight, *(t for t in masks.values()
+                                         if isinstance(t, torch.Tensor) and t.requires_grad)]
+        return out, weights, torch.autograd.grad(loss, leaves)
+
+    ref = run(F.multi_head_attention_forward)
+    got = run(lambda *args, **kwargs: decompose(args, kwargs))
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    assert (got[1] is None) == (ref[1] is None)
+    if ref[1] is not None:
+        torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+    for g, r in zip(got[2], ref[2], strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
 def test_other_paths_are_pytorchs_own():
+    """A mask of a shape PyTorch's code rejects, ``bias_k``: its own code (and its error)."""
     m = nn.MultiheadAttention(32, 4, batch_first=True)
     q = torch.randn(3, 7, 32)
-    padding = torch.zeros(3, 7, dtype=torch.bool)
-    mask = torch.zeros(7, 7, dtype=torch.bool)
-    for kwargs in ({"need_weights": True, "attn_mask": mask},
-                   {"need_weights": False, "key_padding_mask": padding}):
-        _, (args, kw) = _calls(m, q, q, q, **kwargs)
-        assert decompose(args, kw) is None
+    for kwargs in ({"attn_mask": torch.zeros(5, 7, 7)},
+                   {"key_padding_mask": torch.zeros(3, 6, dtype=torch.bool)}):
+        args = (q.transpose(0, 1),) * 3 + (32, 4, m.in_proj_weight, m.in_proj_bias, None,
+                                            None, False, 0.0, m.out_proj.weight,
+                                            m.out_proj.bias)
+        assert decompose(args, kwargs) is None
+    m = nn.MultiheadAttention(32, 4, batch_first=True, add_bias_kv=True)
+    _, (args, kw) = _calls(m, q, q, q)
+    assert decompose(args, kw) is None
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
