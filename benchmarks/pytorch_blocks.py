@@ -1,7 +1,8 @@
 """PyTorch's own transformer blocks under compressed(): what is saved, and what is kept.
 
 ``nn.TransformerEncoderLayer`` (128 wide, 4 heads, feed-forward 512, pre-norm, batch first,
-a batch of 16 x 128 tokens) at dropout 0 and 0.1, a small ``nn.Transformer`` (one encoder
+a batch of 16 x 128 tokens) at dropout 0 and 0.1, and with its padding masked (sequences of 8
+to 128 tokens), a small ``nn.Transformer`` (one encoder
 and one decoder layer, causal target) and ``nn.MultiheadAttention`` called with its defaults
 (the attention weights returned too), each eager and compiled (Inductor), a step
 under ``compressed("L3")``: the bytes autograd would keep, the bytes kept, their ratio, what
@@ -36,6 +37,16 @@ def _encoder(dropout: float):
     return layer, lambda run: run(x)
 
 
+def _padded_encoder():
+    """A batch of sequences of other lengths, its padding masked (a typical NLP batch)."""
+    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.1, batch_first=True,
+                                       norm_first=True)
+    x = torch.randn(16, 128, 128)
+    lengths = torch.arange(16) * 8 + 8  # 8 to 128 tokens
+    padding = torch.arange(128)[None, :] >= lengths[:, None]
+    return layer, lambda run: run(x, src_key_padding_mask=padding)
+
+
 def _transformer():
     model = nn.Transformer(d_model=64, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
                            dim_feedforward=128, dropout=0.1, batch_first=True)
@@ -53,6 +64,7 @@ def _multihead():
 
 BLOCKS = {"TransformerEncoderLayer, dropout 0": lambda: _encoder(0.0),
           "TransformerEncoderLayer, dropout 0.1": lambda: _encoder(0.1),
+          "TransformerEncoderLayer, dropout 0.1, padding masked": _padded_encoder,
           "Transformer (1 + 1 layers, causal target)": _transformer,
           "MultiheadAttention, dropout 0.1, called with its defaults": _multihead}
 
