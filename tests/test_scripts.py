@@ -81,3 +81,11 @@ def test_no_script_shadows_an_installed_module():
         if origin is not None and Path(origin).parent != path.parent:
             shadowing.append(f"{path.relative_to(ROOT)} hides {origin}")
     assert not shadowing, shadowing
+
+
+def test_op_coverage_runs_and_names_what_stays_exact():
+    done = _run(["benchmarks/op_coverage.py", "--ops", "InstanceNorm2d,LSTM"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split("│")[1].strip(): line for line in done.stdout.splitlines()
+            if line.count("│") > 4}
+    assert "nothing" in rows["InstanceNorm2d"] and "lstm" in rows["LSTM"]

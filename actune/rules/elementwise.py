@@ -142,6 +142,27 @@ def product(s, func, args, kwargs, level):
     return None
 
 
+@register((torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.div_,
+           torch.Tensor.__itruediv__, torch.divide, torch.Tensor.divide, torch.true_divide,
+           torch.Tensor.true_divide), "elementwise", "other",
+          "the dividend rounded at other bits (the divisor's gradient -g a / b**2 is linear "
+          "in it), the divisor exact (read as 1 / b and 1 / b**2); a dividend broadcast over "
+          "the divisor exact")
+def quotient(s, func, args, kwargs, level):
+    """``a / b`` with a tensor ``b``: PyTorch keeps ``b`` (for ``g / b``) and, where ``b``
+    needs a gradient, ``a``. Only ``a`` enters a gradient linearly: it is rounded (a
+    hand-written layer norm's centred input over its standard deviation), unless broadcast
+    over ``b`` (its one noise would repeat, as a product's broadcast operand's)."""
+    a, b = args[0], arg(args, kwargs, 1, "other", None)
+    if not isinstance(b, torch.Tensor) or kwargs.get("rounding_mode") is not None:
+        return None  # (by a number: nothing saved; rounded quotients: no gradient)
+    exact = {id(b): "divisor"}
+    if isinstance(a, torch.Tensor) and a.numel() < b.numel():
+        exact[id(a)] = "broadcast dividend"
+    s.label.exact_ids = exact
+    return None  # the op as it is; the hooks pack the dividend at other bits
+
+
 _OUT_OF_PLACE = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__,
                            torch.Tensor.__rmul__, torch.multiply, torch.Tensor.multiply})
 

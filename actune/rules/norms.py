@@ -254,6 +254,29 @@ def vector_norm(s, func, args, kwargs, level):
     return None
 
 
+#: Variances and standard deviations (a hand-written layer norm's ``x.std(-1)``).
+SPREADS = (torch.var, torch.std, torch.var_mean, torch.std_mean, torch.Tensor.var,
+           torch.Tensor.std)
+
+
+@register(SPREADS, "norm", None,
+          "input rounded at other bits (backward 2 (x - mean(x)) / (n - correction), linear "
+          "in x; a standard deviation's divided by its result), the result exact",
+          only_input_shape=True)
+def spread(s, func, args, kwargs, level):
+    """``var`` / ``std`` (and their ``_mean`` forms) save their input, rounded: the backward
+    is linear in it, the mean subtracted there read from the same rounded values; the
+    result, a reduction, stays exact (as a norm's statistics do)."""
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim", None)
+    if isinstance(dim, bool):  # (the legacy ``std(x, unbiased)``: over every element)
+        dim = None
+    if (compressible(x, level) and kwargs.get("out") is None and x.is_floating_point()
+            and reduced_count(x, dim) > 1):
+        return s.run_as("other", func, args, kwargs)
+    return None
+
+
 @register((F.normalize,), "norm", None,
           "p=2: two independently rounded copies of the input at the level's sensitive bits, "
           "the norm exact (backward grad / n - x <grad, x> / n**3, linear in each copy); "

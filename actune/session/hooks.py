@@ -238,9 +238,12 @@ class Session:
         if kind != _MATMUL and row_statistic(t):  # (a matmul's input of width 1: rank 1)
             return self.keep(t, new, None if op.op is None
                               else f"{op_name(op.op)} row statistic")
-        if op.only_shape is not None and t.shape != op.only_shape:
+        if op.only_shape is not None and t.shape != op.only_shape and (
+                n != op.only_shape.numel()):
             # a norm's own statistics (mean, rstd): kept exact, and named so (not the norm's
-            # input, which the report would otherwise seem to say)
+            # input, which the report would otherwise seem to say). The input may come as
+            # another shape of its values: an instance norm is a batch norm of the input
+            # viewed as one sample of batch x channels
             return self.keep(t, new, f"{op_name(op.op)} statistics")
         ap = self.allocating
         # a [batch, features] input takes per-sample widths in groups along each sample,

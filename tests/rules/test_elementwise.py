@@ -48,6 +48,10 @@ OPS = {
     # (t * 1.0: a leaf's saved value stays a reference, as parameters do)
     "square": (lambda t: (t * 1.0).square() + (t * 1.0).pow(2), lambda t: t),
     "clamp": (lambda t: t.clamp(-0.5, 0.7), lambda t: t),
+    # a division by an activation: the dividend rounded, the divisor exact (before: both)
+    "divide": (lambda t: (t * 1.0) / (t.square().mean(-1, keepdim=True) + 1), lambda t: t),
+    "true_divide": (lambda t: torch.true_divide(t.sin(), t.cos().abs().sum(0) + 1),
+                    lambda t: t),
     # other spellings of ops with rules (ConvBERT's torch.multiply was kept exact)
     "multiply": (lambda t: torch.multiply(t, t.tanh()), lambda t: t),
     "multiply_method": (lambda t: t.sin().multiply(t.cos()), lambda t: t),
@@ -146,3 +150,19 @@ def test_gather_keeps_its_index_in_the_narrowest_type_and_not_its_input(size, wi
     assert torch.equal(x.grad, exact)
     assert st[0].by_kind == {"gather indices": index.numel() * width} and st[0].exact == {}
     assert st[0].saved_bytes == index.numel() * 8 + x.numel() * 4  # what PyTorch keeps
+
+
+def test_a_divisor_stays_exact_and_a_broadcast_dividend_too():
+    """``a / b``: ``b`` is read as ``1 / b`` and ``1 / b**2``, never rounded; ``a`` broadcast
+    over ``b`` stays exact, as a product's broadcast operand does."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 64, generator=gen, requires_grad=True)
+    b = (torch.rand(64, 64, generator=gen) + 1).requires_grad_()
+    for fn, exact in ((lambda: (a * 1.0) / (b * 1.0), {"div divisor"}),
+                      (lambda: (a[:1] * 1.0) / (b * 1.0), {"div divisor",
+                                                            "div broadcast dividend"})):
+        st = []
+        with actune.compressed(level(2).with_(min_numel=16), stats=st.append):
+            y = fn()
+        y.sum().backward()
+        assert set(st[0].exact) == exact, st[0].exact

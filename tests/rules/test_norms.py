@@ -29,6 +29,10 @@ OPS = {
     "torch.batch_norm": lambda t: torch.batch_norm(t.view(16, 4, 8, 8) * 1.0, None, None, None,
                                                    None, True, 0.1, 1e-5, False).square(),
     "group_norm": lambda t: F.group_norm(t.view(64, 8, 8) * 1.0, 2).square(),
+    # (computed as a batch norm of the input viewed as one sample: kept exact before)
+    "instance_norm": lambda t: F.instance_norm(t.view(16, 4, 8, 8) * 1.0).square(),
+    "torch.instance_norm": lambda t: torch.instance_norm(
+        t.view(16, 4, 8, 8) * 1.0, None, None, None, None, True, 0.1, 1e-5, False).square(),
     "batch_norm": lambda t: F.batch_norm(t.view(16, 4, 8, 8) * 1.0, None, None,
                                          training=True).square(),
     # vector 2-norms (the input rounded, the norm exact) in each spelling, and F.normalize
@@ -41,6 +45,14 @@ OPS = {
     "global response norm": lambda t: torch.linalg.vector_norm(
         t.view(4, 4, 4, 64) * 1.0, ord=2, dim=(1, 2), keepdim=True),  # (ConvNeXt V2's)
     "normalize": lambda t: F.normalize(t * 1.0, dim=-1),
+    # variances and standard deviations: the input rounded, the result exact (kept exact
+    # before); a hand-written layer norm (The Annotated Transformer's) divides by x.std(-1)
+    "std": lambda t: (t * 1.0).std(-1),
+    "var over rows": lambda t: torch.var(t * 1.0, dim=0, correction=0),
+    "var_mean": lambda t: sum(torch.var_mean(t * 1.0, -1)),
+    "std_mean, all": lambda t: torch.std_mean(t * 1.0)[0] * t.cos(),
+    "hand-written layer norm": lambda t: ((t * 1.0 - t.mean(-1, keepdim=True))
+                                          / ((t * 1.0).std(-1, keepdim=True) + 1e-6)).square(),
 }
 
 
