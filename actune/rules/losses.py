@@ -1,4 +1,5 @@
-"""Losses: ``F.cross_entropy`` over class logits (an LM head's, a segmentation's).
+"""Losses: ``F.cross_entropy`` over class logits (an LM head's, a segmentation's); the regression
+losses and binary cross entropy with logits.
 
 PyTorch's cross entropy keeps the log-probabilities, an exact float copy of the logits' size,
 until backward: over a large vocabulary the largest tensor of a small LM's step (Cut
@@ -8,9 +9,18 @@ level's ``sensitive_bits`` (4 at L3: their noise reaches every gradient; unbiase
 targets and per-row weights (small). Its forward works in slices of rows, so the float copies
 and exponentials it needs are a slice's size, not the logits'. ``log_softmax`` followed by
 ``nll_loss`` is covered by the log-softmax rule.
+
+An elementwise loss of an input and a target (``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
+``huber_loss``, ``binary_cross_entropy_with_logits``) keeps both, exact, for a gradient
+``g * f'(x, target)``: :class:`PackedLossDerivative` keeps the derivative instead, computed in
+forward and rounded at ``sensitive_bits`` (the gradient is linear in it: unbiased), a tensor of
+the input's size where PyTorch kept two (a diffusion model's predicted and target noise).
 """
 
 from __future__ import annotations
+
+import inspect
+import sys
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -176,3 +186,102 @@ class PackedCrossEntropy(torch.autograd.Function):
                 out[start:start + rows] = part
             del part
         return out, None, None, None, None, None, None, None
+
+
+def _huber_slope(x: torch.Tensor, target: torch.Tensor, delta: float) -> torch.Tensor:
+    return (x - target).clamp_(-delta, delta)
+
+
+def _smooth_l1_slope(x: torch.Tensor, target: torch.Tensor, beta: float) -> torch.Tensor:
+    if beta == 0:
+        return (x - target).sign_()
+    return (x - target).div_(beta).clamp_(-1, 1)
+
+
+def _logistic_slope(x: torch.Tensor, target: torch.Tensor, pos_weight) -> torch.Tensor:
+    """``d/dx`` of ``-(p y log s(x) + (1 - y) log(1 - s(x)))``: ``s(x) (p y + 1 - y) - p y``."""
+    if pos_weight is None:
+        return torch.sigmoid(x).sub_(target)
+    scaled = target * pos_weight
+    return torch.sigmoid(x).mul_(scaled + 1 - target).sub_(scaled)
+
+
+#: loss -> (the argument its derivative takes besides the input and the target, with its
+#: default; the derivative; does the target's gradient mirror the input's)
+_ELEMENTWISE = {
+    F.mse_loss: (None, lambda x, t, _: (x - t).mul_(2), True),
+    F.l1_loss: (None, lambda x, t, _: (x - t).sign_(), True),
+    F.smooth_l1_loss: (("beta", 1.0), _smooth_l1_slope, True),
+    F.huber_loss: (("delta", 1.0), _huber_slope, True),
+    F.binary_cross_entropy_with_logits: (("pos_weight", None), _logistic_slope, False),
+}
+
+
+@register(tuple(_ELEMENTWISE), "loss", None,
+          "the derivative in the input, computed in forward and rounded at sensitive bits "
+          "(gradient linear in it), in place of the input and the target")
+def elementwise_loss(s, func, args, kwargs, level):
+    x, target = args[0], arg(args, kwargs, 1, "target", None)
+    option, slope, mirrored = _ELEMENTWISE[func]
+    names = tuple(inspect.signature(func).parameters)
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    if func is F.l1_loss and "weight" not in bound:
+        weight = _l1_weight()
+        if weight is not None:  # (see _l1_weight: PyTorch's own, with it)
+            return func(*args, **kwargs, weight=weight)
+    weight, reduction = bound.get("weight"), bound.get("reduction", "mean")
+    value = bound.get(option[0], option[1]) if option else None
+    if (not compressible(x, level) or not isinstance(target, torch.Tensor)
+            or target.shape != x.shape or not target.is_floating_point()
+            or bound.get("size_average") is not None or bound.get("reduce") is not None
+            or reduction not in ("mean", "sum", "none")
+            or (target.requires_grad and not mirrored)
+            # (a regression loss's weight: what its mean divides by is not taken here)
+            or (weight is not None and func is not F.binary_cross_entropy_with_logits)
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in (weight, value))):
+        return None  # (broadcast shapes, legacy arguments, learned weights: PyTorch's own)
+    return PackedLossDerivative.apply(x, target, func, bound, slope, value, weight, mirrored,
+                                      level.sensitive_width, s)
+
+
+def _l1_weight() -> torch.Tensor | None:
+    """The ``weight`` a caller gave ``F.l1_loss``, which its hand-off to a function mode drops
+    (torch 2.13: every mode, actune's or not, would see an unweighted loss), read from its
+    frame; None if none was given."""
+    frame = sys._getframe(2)
+    code = F.l1_loss.__code__
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            return frame.f_locals.get("weight")
+        frame = frame.f_back
+    return None
+
+
+class PackedLossDerivative(torch.autograd.Function):
+    """An elementwise loss keeping ``f'(x, target)`` (times its weight) rounded, not its
+    input and target (see :func:`elementwise_loss`)."""
+
+    @staticmethod
+    def forward(ctx, x, target, func, bound, slope, value, weight, mirrored, bits, session):
+        out = func(**{**bound, "input": x, "target": target})
+        d = slope(x.float(), target.float(), value)
+        if weight is not None:
+            d = d.mul_(weight)
+        # (PyTorch's l1_loss is an abs of the difference: it keeps the difference alone)
+        kept = (d,) if func is F.l1_loss else (x, target)
+        ctx.d = session.packer.pack_fixed(d, bits, "loss derivative", replaces=kept)
+        ctx.conf = (bound.get("reduction", "mean"), x.numel(), x.dtype, mirrored)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        reduction, numel, dtype, mirrored = ctx.conf
+        d = take(ctx, "d").get()
+        scale = grad / numel if reduction == "mean" else grad
+        dx = d.mul_(scale).to(dtype) if d.dtype == torch.float32 else (d.float() * scale).to(
+            dtype)
+        dt = -dx if mirrored and ctx.needs_input_grad[1] else None
+        return dx, dt, None, None, None, None, None, None, None, None

@@ -1,6 +1,8 @@
 """Losses: cross entropy keeps its probabilities packed; the loss value is PyTorch's, the
 logits' gradient close at 8 bits and unbiased at 2."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -186,3 +188,73 @@ def test_targets_are_kept_in_the_narrowest_integers_and_counted(classes, dtype):
     assert kept == rows * dtype.itemsize + rows // 8
     assert st[0].saved_bytes == x.numel() * 4 + rows * 8  # log-probabilities, int64 targets
     assert losses._index_dtype(classes) is dtype
+
+
+#: Elementwise losses of an input and a target: the target requires a gradient in "mirrored"
+#: cases (a regression toward another activation).
+_PW = torch.rand(16, generator=torch.Generator().manual_seed(6)) + 0.5
+ELEMENTWISE = {
+    "mse": (F.mse_loss, {}),
+    "mse_sum": (F.mse_loss, {"reduction": "sum"}),
+    "mse_none": (F.mse_loss, {"reduction": "none"}),
+    "l1": (F.l1_loss, {}),
+    "smooth_l1": (F.smooth_l1_loss, {"beta": 0.5}),
+    "huber": (F.huber_loss, {"delta": 0.7}),
+    "bce_with_logits": (F.binary_cross_entropy_with_logits, {}),
+    "bce_weighted": (F.binary_cross_entropy_with_logits, {"weight": _PW, "pos_weight": _PW}),
+}
+
+
+@pytest.mark.parametrize("case", list(ELEMENTWISE))
+def test_elementwise_losses_keep_their_rounded_derivative(case):
+    """PyTorch kept the input and the target exact; the rule keeps the derivative at
+    ``sensitive_bits``: the value is PyTorch's, the gradients (the target's too, where it has
+    one) close at 8 bits and unbiased at 2."""
+    func, kwargs = ELEMENTWISE[case]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 16, generator=gen).requires_grad_()
+    target = (torch.rand(64, 16, generator=gen) if func is F.binary_cross_entropy_with_logits
+              else torch.randn(64, 16, generator=gen).requires_grad_())
+    inputs = (x, target) if target.requires_grad else (x,)
+
+    def fn(a, b=target):
+        return func(a * 1.0, b * 1.0 if b.requires_grad else b, **kwargs)
+
+    with torch.no_grad():
+        ref = fn(x)
+    st = []
+    with actune.compressed(level(2), stats=st.append), torch.enable_grad():
+        got = fn(x)
+    torch.testing.assert_close(got, ref)
+    assert st[0].exact == {} and st[0].by_kind == {"loss derivative": 64 * 16 // 4 + 4 * 4}
+    exact = exact_grads(fn, inputs)
+    eight = input_grads(fn, inputs, level(8), 1)
+    two = input_grads(fn, inputs, level(2), 256)
+    for e, g8, g2 in zip(exact, eight, two, strict=True):
+        assert relative_error(g8[0], e[0]) < 0.02
+        assert shrinks_like_noise(g2, e[0], large=256) < 0.25
+
+
+def test_broadcast_or_legacy_arguments_fall_back_to_pytorch():
+    x = torch.randn(64, 16, requires_grad=True)
+    for call in (lambda: F.mse_loss(x * 1.0, torch.randn(16)),  # (broadcast: PyTorch warns)
+                 lambda: F.mse_loss(x * 1.0, torch.randn(64, 16), reduce=False),
+                 lambda: F.mse_loss(x * 1.0, torch.randn(64, 16), weight=torch.rand(64, 16))):
+        st = []
+        with actune.compressed("L3", stats=st.append), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call()
+        assert "loss derivative" not in st[0].by_kind
+
+
+def test_a_weighted_l1_loss_keeps_its_weight():
+    """``F.l1_loss`` hands a function mode its call without its ``weight`` (torch 2.13): the
+    rule finds it where the caller gave it, and the loss and gradient are PyTorch's."""
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0] * 512, requires_grad=True)
+    target, weight = torch.zeros(2048), torch.tensor([2.0, 0.0, 0.0, 0.0] * 512)
+    ref = F.l1_loss(x * 1.0, target, weight=weight)
+    (exact,) = torch.autograd.grad(ref, x)
+    with actune.compressed("L3"):
+        got = F.l1_loss(x * 1.0, target, weight=weight)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(torch.autograd.grad(got, x)[0], exact)
