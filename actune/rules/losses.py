@@ -206,6 +206,11 @@ def _logistic_slope(x: torch.Tensor, target: torch.Tensor, pos_weight) -> torch.
     return torch.sigmoid(x).mul_(scaled + 1 - target).sub_(scaled)
 
 
+def _kl_slope(_x: torch.Tensor, target: torch.Tensor, log_target: bool) -> torch.Tensor:
+    """``d/dx`` of ``target * (log target - x)``: ``-target``."""
+    return target.exp().neg_() if log_target else target.neg()
+
+
 #: loss -> (the argument its derivative takes besides the input and the target, with its
 #: default; the derivative; does the target's gradient mirror the input's)
 _ELEMENTWISE = {
@@ -214,7 +219,12 @@ _ELEMENTWISE = {
     F.smooth_l1_loss: (("beta", 1.0), _smooth_l1_slope, True),
     F.huber_loss: (("delta", 1.0), _huber_slope, True),
     F.binary_cross_entropy_with_logits: (("pos_weight", None), _logistic_slope, False),
+    # (a distillation's: the teacher's probabilities, as large as the logits)
+    F.kl_div: (("log_target", False), _kl_slope, False),
 }
+#: What PyTorch keeps of each loss's input and target (the rest: both).
+_PYTORCH_KEEPS = {F.l1_loss: lambda x, t, d: (d,),  # (an abs of the difference)
+                  F.kl_div: lambda x, t, d: (t,)}
 
 
 @register(tuple(_ELEMENTWISE), "loss", None,
@@ -234,7 +244,7 @@ def elementwise_loss(s, func, args, kwargs, level):
     if (not compressible(x, level) or not isinstance(target, torch.Tensor)
             or target.shape != x.shape or not target.is_floating_point()
             or bound.get("size_average") is not None or bound.get("reduce") is not None
-            or reduction not in ("mean", "sum", "none")
+            or reduction not in ("mean", "sum", "none", "batchmean")
             or (target.requires_grad and not mirrored)
             # (a regression loss's weight: what its mean divides by is not taken here)
             or (weight is not None and func is not F.binary_cross_entropy_with_logits)
@@ -269,18 +279,20 @@ class PackedLossDerivative(torch.autograd.Function):
         d = slope(x.float(), target.float(), value)
         if weight is not None:
             d = d.mul_(weight)
-        # (PyTorch's l1_loss is an abs of the difference: it keeps the difference alone)
-        kept = (d,) if func is F.l1_loss else (x, target)
+        kept = _PYTORCH_KEEPS.get(func, lambda x, t, d: (x, t))(x, target, d)
         ctx.d = session.packer.pack_fixed(d, bits, "loss derivative", replaces=kept)
-        ctx.conf = (bound.get("reduction", "mean"), x.numel(), x.dtype, mirrored)
+        reduction = bound.get("reduction", "mean")
+        count = (x.numel() if reduction == "mean" else x.shape[0] if reduction == "batchmean"
+                 else 1)
+        ctx.conf = (count, x.dtype, mirrored)  # (count: what the reduction divides by)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         check_double_backward()
-        reduction, numel, dtype, mirrored = ctx.conf
+        count, dtype, mirrored = ctx.conf
         d = take(ctx, "d").get()
-        scale = grad / numel if reduction == "mean" else grad
+        scale = grad if count == 1 else grad / count
         dx = d.mul_(scale).to(dtype) if d.dtype == torch.float32 else (d.float() * scale).to(
             dtype)
         dt = -dx if mirrored and ctx.needs_input_grad[1] else None

@@ -202,6 +202,8 @@ ELEMENTWISE = {
     "huber": (F.huber_loss, {"delta": 0.7}),
     "bce_with_logits": (F.binary_cross_entropy_with_logits, {}),
     "bce_weighted": (F.binary_cross_entropy_with_logits, {"weight": _PW, "pos_weight": _PW}),
+    "kl_div": (F.kl_div, {"reduction": "batchmean"}),
+    "kl_div_log_target": (F.kl_div, {"reduction": "sum", "log_target": True}),
 }
 
 
@@ -213,8 +215,13 @@ def test_elementwise_losses_keep_their_rounded_derivative(case):
     func, kwargs = ELEMENTWISE[case]
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(64, 16, generator=gen).requires_grad_()
-    target = (torch.rand(64, 16, generator=gen) if func is F.binary_cross_entropy_with_logits
-              else torch.randn(64, 16, generator=gen).requires_grad_())
+    if func is F.kl_div:  # (a teacher's probabilities, or their logarithms)
+        target = torch.softmax(torch.randn(64, 16, generator=gen), -1)
+        target = target.log() if kwargs.get("log_target") else target
+    elif func is F.binary_cross_entropy_with_logits:
+        target = torch.rand(64, 16, generator=gen)
+    else:
+        target = torch.randn(64, 16, generator=gen).requires_grad_()
     inputs = (x, target) if target.requires_grad else (x,)
 
     def fn(a, b=target):
