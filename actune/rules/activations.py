@@ -24,6 +24,7 @@ from actune.substitutes.functions import (
     CodedDerivative,
     DerivativeGLU,
     PackedLogSoftmax,
+    PackedLogSumExp,
     SavedDerivative,
     SavedInput,
     TwoCopySoftmax,
@@ -126,6 +127,22 @@ def glu(s, func, args, kwargs, level):
     if not compressible(x, level):
         return None
     return DerivativeGLU.apply(x, arg(args, kwargs, 1, "dim", -1), level.other_bits, s)
+
+
+@register((torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp), "activation",
+          None, "exp(x - result), a softmax, rounded at other bits (backward g * it, linear "
+          "in it), not the input and the result")
+def logsumexp(s, func, args, kwargs, level):
+    """A contrastive loss's or a router's z-loss's ``logsumexp``: PyTorch keeps its input and
+    result for ``g * exp(x - result)``; the rule keeps that softmax, rounded."""
+    x, dim = args[0], arg(args, kwargs, 1, "dim", None)
+    if not compressible(x, level) or dim is None or kwargs.get("out") is not None:
+        return None
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if not dims:
+        return None  # (an empty dim list reduces everything: PyTorch's own)
+    return PackedLogSumExp.apply(x, dims, bool(arg(args, kwargs, 2, "keepdim", False)),
+                                 level.other_bits, s)
 
 
 @register((F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,

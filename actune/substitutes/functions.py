@@ -36,6 +36,7 @@ __all__ = [
     "OffsetMaxPool",
     "OrderedConv",
     "PackedLogSoftmax",
+    "PackedLogSumExp",
     "PackedReLU",
     "PointwiseDerivative",
     "SavedDerivative",
@@ -504,6 +505,29 @@ class PackedLogSoftmax(torch.autograd.Function):
         p = take(ctx, "p").fresh()
         out = grad - p.mul_(grad.sum(ctx.dim, keepdim=True))
         return out.to(ctx.in_dtype), None, None, None, None
+
+
+class PackedLogSumExp(torch.autograd.Function):
+    """``logsumexp`` saving ``p = exp(x - result)`` (a softmax) rounded, not its input and
+    result: the backward ``g * p`` is linear in ``p``, so it stays unbiased."""
+
+    @staticmethod
+    def forward(ctx, x, dim, keepdim, bits, session):
+        out = torch.logsumexp(x, dim, keepdim=True)
+        p = (x - out).exp_()
+        ctx.p = session.packer.pack_value(p, bits, "softmax", replaces=(x, out))
+        del p
+        ctx.dim, ctx.keepdim, ctx.in_dtype = dim, keepdim, x.dtype
+        return out if keepdim else out.squeeze(dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        p = take(ctx, "p").fresh()
+        if not ctx.keepdim:
+            for d in sorted(d % p.dim() for d in ctx.dim):
+                grad = grad.unsqueeze(d)
+        return p.mul_(grad).to(ctx.in_dtype), None, None, None, None
 
 
 def as_tuple(v, n: int) -> tuple:

@@ -52,6 +52,10 @@ OPS = {
     "divide": (lambda t: (t * 1.0) / (t.square().mean(-1, keepdim=True) + 1), lambda t: t),
     "true_divide": (lambda t: torch.true_divide(t.sin(), t.cos().abs().sum(0) + 1),
                     lambda t: t),
+    # logsumexp keeps exp(x - result), a softmax (its input and result exact before)
+    "logsumexp": (lambda t: torch.logsumexp(t * 2, -1), lambda t: t),
+    "logsumexp_keepdim": (lambda t: (t * 1.0).logsumexp((0, 1), keepdim=True) * t.cos(),
+                          lambda t: t),
     # other spellings of ops with rules (ConvBERT's torch.multiply was kept exact)
     "multiply": (lambda t: torch.multiply(t, t.tanh()), lambda t: t),
     "multiply_method": (lambda t: t.sin().multiply(t.cos()), lambda t: t),
