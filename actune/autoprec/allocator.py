@@ -236,12 +236,15 @@ class AutoPrecision:
         self._force = True
 
     def observe(self, plan: Plan, packed: PackedTensor | PackedSamples | PackedRows,
-                t: torch.Tensor | None = None) -> None:
+                t: torch.Tensor | None = None, rows: int | None = None) -> None:
         """Record the rounding noise of the tensor ``t`` packed for ``plan`` (statistics
-        steps), and the key by which its samples are ranked (norm, times the plan's weight)."""
+        steps), and the key by which its samples are ranked (norm, times the plan's weight).
+        ``rows``: ``t`` was packed in groups of other than its rows, and its samples' noise is
+        that of groups of ``rows`` elements along its rows (what per-sample widths pack)."""
         if plan.collect and plan.slot < len(self._fresh):
             slot = self._fresh[plan.slot]
-            slot.noise = rounding_noise(packed, plan.samples)
+            slot.noise = (rounding_noise(packed, plan.samples) if rows is None or t is None
+                          else row_noise(t, plan.samples, rows))
             if plan.samples > 1 and t is not None:
                 slot.score = row_norms(t.detach().reshape(plan.samples, -1))
                 if plan.weight is not None:
@@ -547,6 +550,21 @@ def relayed_by_norm(relays: list[list], grad: torch.Tensor, x_hat: torch.Tensor,
             else:
                 num, den = passed.sum(), assumed.sum()
             entry[1] = entry[1] * (num / den.clamp_min(1e-30)).clamp(max=1.0)
+
+
+def row_noise(t: torch.Tensor, samples: int, group: int) -> torch.Tensor:
+    """:func:`rounding_noise` of ``t`` were it packed in groups of ``group`` elements in its
+    row-major order (its rows' groups, as per-sample widths pack them), from its values: ``sum``
+    over groups of ``G * range**2 / 6``, per sample. Stays on the device."""
+    flat = t.detach().float().reshape(-1)
+    pad = -flat.numel() % group
+    if pad:  # (the last group's own values: its range unchanged)
+        flat = torch.cat([flat, flat[-1:].expand(pad)])
+    groups = flat.view(-1, group)
+    per_group = (groups.amax(1) - groups.amin(1)).square() * (group / 6.0)
+    if samples > 1 and (t.numel() // samples) % group == 0:
+        return per_group.view(samples, -1).sum(1)
+    return (per_group.sum() / samples).expand(samples)
 
 
 def rounding_noise(packed: PackedTensor | PackedSamples | PackedRows, samples: int) -> torch.Tensor:

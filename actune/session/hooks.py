@@ -253,7 +253,7 @@ class Session:
         by_feature = op.features and (op.only_shape is not None or ap is None
                                       or not ap.splits_samples(t))
         if ap is not None and kind is not NARROW:  # (a narrow input's width is fixed)
-            return self.packer.pack_allocated(t, kind, by_feature, bits)
+            return self.packer.pack_allocated(t, kind, by_feature, bits, op.features)
         zeros = kind == _ZEROS  # (accounted as PackedReLU's are)
         return self.packer.pack(t, bits, "relu" if zeros else _MATMUL if kind is NARROW
                                 else kind, by_feature=by_feature, zero_code=zeros)

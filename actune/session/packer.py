@@ -65,11 +65,12 @@ class Packer:
         return saved
 
     def pack_allocated(self, t: torch.Tensor, kind: str, by_feature: bool = False,
-                       uniform: int | None = None) -> Saved:
+                       uniform: int | None = None, features: bool = False) -> Saved:
         """Pack with the bits the allocator gives this slot (``by_feature``: each group one
         feature's values; ``uniform``: the level's width for it, until the allocator knows
-        the slot), or find it in the cache if the storage was packed already (this op reads
-        that slot too)."""
+        the slot; ``features``: a features-last input, grouped by feature wherever one width
+        serves all its samples), or find it in the cache if the storage was packed already
+        (this op reads that slot too)."""
         key = storage_key(t, _ALLOCATED)
         found = self.cache.find(key)
         if found is not None and isinstance(found.packed, PackedMask):
@@ -81,7 +82,8 @@ class Packer:
             # whose backward multiplies its noise by the other operand's (docs/autoprec.md)
             label = self.session.label
             floor = 2 if (kind == OTHER and label.only_shape is None) or label.pair else 1
-            packed, slot = self._quantize_planned(t, False, floor, by_feature, uniform)
+            packed, slot = self._quantize_planned(t, False, floor, by_feature, uniform,
+                                                  features)
             found = self._hold(self._new(packed), kind)
             found.slot = slot
             self.cache.remember(key, t, found)
@@ -91,8 +93,8 @@ class Packer:
         return found
 
     def _quantize_planned(self, t: torch.Tensor, zero_code: bool, floor: int = 1,
-                          by_feature: bool = False,
-                          uniform: int | None = None) -> tuple[object, int]:
+                          by_feature: bool = False, uniform: int | None = None,
+                          features: bool = False) -> tuple[object, int]:
         """Pack ``t`` as the allocator plans its next slot (``by_feature``: each group one
         feature's values; per-sample widths from :func:`feature_major`'s copy); returns the
         packed form and slot."""
@@ -103,13 +105,21 @@ class Packer:
         group = self.session.level.group_size
         if plan.bits == 0:
             return pack_mask(t > 0), plan.slot
+        # a [batch, features] input split by sample keeps its rows whole for per-sample
+        # widths; where one width serves every sample (a statistics step, a slot whose
+        # samples share one) it is grouped by feature, as uniform widths group it: groups
+        # along a row span features of other scales (wav2vec 2.0's mean-pooled features:
+        # its statistics step's gradient 20x noisier), and the allocator reads the rows'
+        # noise from their ranges instead
+        rows = features and not by_feature and not plan.by_rank and plan.samples > 1 and (
+            t.dim() == 2)
         if plan.by_rank:
             packed = quantize_samples(feature_major(t) if by_feature else t, plan.by_rank,
                                       group_size=group, zero_code=zero_code, weight=plan.weight)
         else:
-            packed = self._quantize(t, plan.bits, zero_code, by_feature)
+            packed = self._quantize(t, plan.bits, zero_code, by_feature or rows)
         if plan.collect:
-            ap.observe(plan, packed, t)
+            ap.observe(plan, packed, t, group if rows else None)
         return packed, plan.slot
 
     def _seeds(self, n: int = 1) -> int:
