@@ -53,7 +53,8 @@ def attention(s, func, args, kwargs, level):
     q, k, v = args[0], arg(args, kwargs, 1, "key", None), arg(args, kwargs, 2, "value", None)
     mask = arg(args, kwargs, 3, "attn_mask", None)
     if (not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v))
-            or not any(compressible(t, level) for t in (q, k, v))):
+            or not (compressible(v, level) or compressible(q, level)
+                    or compressible(k, level))):
         # (keys and values may be few where the queries are many: SegFormer's attention
         # over a spatially reduced sequence; the queries and the output then weigh most)
         return None

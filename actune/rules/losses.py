@@ -144,11 +144,11 @@ class PackedCrossEntropy(torch.autograd.Function):
         losses.mul_(row_weight)
         ctx.packed, ctx.rows = packed, rows
         # what backward reads of the targets: each row's class in the narrowest integers
-        # that hold it and whether the row counts (a bit), where PyTorch keeps int64 targets
-        # (as large as 4-bit probabilities of 16 classes: a segmentation's)
-        ctx.target = session.packer.pack_small_ints(safe, "cross_entropy targets", (target,),
-                                                    _index_dtype(classes))
-        ctx.valid = session.packer.pack_bool(valid, "cross_entropy targets")
+        # that hold it, ``classes`` for a row that does not count, where PyTorch keeps int64
+        # targets (as large as 4-bit probabilities of 16 classes: a segmentation's)
+        ctx.target = session.packer.pack_small_ints(torch.where(valid, safe, classes),
+                                                    "cross_entropy targets", (target,),
+                                                    _index_dtype(classes + 1))
         ctx.weight = weight
         ctx.conf = (reduction, smoothing, classes, x.dtype)
         if reduction == "none":
@@ -165,7 +165,9 @@ class PackedCrossEntropy(torch.autograd.Function):
         reduction, smoothing, classes, dtype = ctx.conf
         packed = take(ctx, "packed")
         target = take(ctx, "target").get().long()
-        row_weight = take(ctx, "valid").get().to(torch.float32)
+        valid = target != classes  # (an ignored row's class is ``classes``)
+        target = target.masked_fill_(~valid, 0)
+        row_weight = valid.to(torch.float32)
         if ctx.weight is not None:
             row_weight.mul_(ctx.weight.float()[target])
         coef = row_weight.mul_(grad.float())  # per row: d loss / d p

@@ -170,11 +170,11 @@ def test_mismatched_per_position_targets_fall_back_to_pytorchs_error():
         F.cross_entropy(x * 1.0, PIXEL_TARGET[:, :9])
 
 
-@pytest.mark.parametrize(("classes", "dtype"), [(12, torch.uint8), (300, torch.int16),
-                                                 (40_000, torch.int32)])
+@pytest.mark.parametrize(("classes", "dtype"), [(12, torch.uint8), (255, torch.uint8),
+                                                 (300, torch.int16), (40_000, torch.int32)])
 def test_targets_are_kept_in_the_narrowest_integers_and_counted(classes, dtype):
     """PyTorch keeps int64 targets beside the log-probabilities; the rule keeps each row's
-    class in the narrowest integer type holding it and a bit for whether the row counts, and
+    class in the narrowest integer type holding it and one more value (an ignored row's), and
     the statistics count both sides."""
     rows = 256
     x = torch.randn(rows, classes, generator=torch.Generator().manual_seed(0))
@@ -185,9 +185,9 @@ def test_targets_are_kept_in_the_narrowest_integers_and_counted(classes, dtype):
     with actune.compressed("L3", stats=st.append):
         F.cross_entropy(x * 1.0, target).backward()
     kept = st[0].by_kind["cross_entropy targets"]
-    assert kept == rows * dtype.itemsize + rows // 8
+    assert kept == rows * dtype.itemsize
     assert st[0].saved_bytes == x.numel() * 4 + rows * 8  # log-probabilities, int64 targets
-    assert losses._index_dtype(classes) is dtype
+    assert losses._index_dtype(classes + 1) is dtype
 
 
 #: Elementwise losses of an input and a target: the target requires a gradient in "mirrored"
