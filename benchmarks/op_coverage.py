@@ -1,7 +1,7 @@
 """PyTorch's own ops one at a time under compressed(): what each keeps, and what stays exact.
 
 Each op of a user's model or loss that the sweeps of whole models may miss (recurrent layers,
-norms, resampling, reductions, sorting, distances, regression and classification losses,
+norms, resampling, reductions, sorting, distances, regression, classification and CTC losses,
 pointwise ops of two tensors, pooling) runs on one input of a few hundred KiB that needs a
 gradient, in a step under ``compressed(level)`` (L3 by default): the ratio of the bytes
 autograd would keep to the bytes kept, and what stayed exact, by op. An op with a ratio of
@@ -31,6 +31,8 @@ ROWS = torch.randn(256, 128, generator=_GEN)  # 128 KiB
 TARGET = torch.randn(256, 128, generator=_GEN)
 PIXEL_CLASSES = torch.randint(0, 16, (8, 32, 32), generator=_GEN)
 GRID = torch.rand(8, 16, 16, 2, generator=_GEN) * 2 - 1
+CTC_TARGETS = torch.randint(1, 128, (8, 27), generator=_GEN)
+CTC_LENGTHS = torch.arange(20, 28)
 
 
 def _modules() -> dict[str, nn.Module]:
@@ -85,6 +87,10 @@ def ops() -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor
         "cross_entropy, per pixel": (IMAGES, lambda t: F.cross_entropy(t, PIXEL_CLASSES)),
         "nll_loss of log_softmax, per pixel": (IMAGES, lambda t: F.nll_loss(
             F.log_softmax(t, 1), PIXEL_CLASSES)),
+        # (speech recognition's: 64 frames of 128 classes, 8 targets of 20 to 27 labels)
+        "ctc_loss of log_softmax": (TOKENS, lambda t: F.ctc_loss(
+            F.log_softmax(t.transpose(0, 1), -1), CTC_TARGETS, torch.full((8,), 64),
+            CTC_LENGTHS)),
     }
 
 

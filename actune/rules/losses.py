@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
 
 from actune import tunables
-from actune.packing.saved import check_double_backward, take
+from actune.packing.saved import check_double_backward, plain_saving, take
 from actune.rules.activations import compressible
 from actune.rules.registry import register
 from actune.substitutes.functions import arg, one_class_per_row
@@ -299,3 +299,78 @@ class PackedLossDerivative(torch.autograd.Function):
             dtype)
         dt = -dx if mirrored and ctx.needs_input_grad[1] else None
         return dx, dt, None, None, None, None, None, None, None, None
+
+
+@register((F.ctc_loss,), "loss", None,
+          "the gradient in the log-probabilities, computed in forward and rounded at "
+          "sensitive bits (the loss's gradient is linear in it), in place of the "
+          "log-probabilities and the forward variables")
+def ctc_loss(s, func, args, kwargs, level):
+    """Speech recognition's CTC loss keeps its log-probabilities and its forward variables
+    (``[batch, frames, 2 * target length + 1]``) for a backward that runs the alignment
+    again. Each sample's loss depends on its own frames alone, so the gradient of the
+    per-sample losses, computed in forward, is all backward needs: it scales each sample's
+    by the output's gradient (:class:`PackedCTC`)."""
+    names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank", "reduction",
+             "zero_infinity")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    x, reduction = bound["log_probs"], bound.get("reduction", "mean")
+    if (not compressible(x, level) or x.dim() not in (2, 3) or reduction not in
+            ("mean", "sum", "none") or not x.requires_grad):
+        return None
+    return PackedCTC.apply(x, bound, level.sensitive_width, s)
+
+
+def _longest(targets, lengths: torch.Tensor) -> int | None:
+    """The longest target's length: a padded ``[batch, S]`` target's ``S``, else the largest
+    of ``lengths`` where they are on the host (concatenated targets); None where reading them
+    would wait for the device."""
+    if isinstance(targets, torch.Tensor) and targets.dim() == 2:
+        return int(targets.shape[1])
+    if not lengths.is_cpu or isinstance(lengths, FakeTensor):
+        return None
+    return int(lengths.max()) if lengths.numel() else 0
+
+
+class PackedCTC(torch.autograd.Function):
+    """CTC keeping ``d loss_n / d log_probs``, rounded (see :func:`ctc_loss`)."""
+
+    @staticmethod
+    def forward(ctx, x, bound, bits, session):
+        reduction = bound.get("reduction", "mean")
+        with torch.enable_grad(), plain_saving():
+            leaf = x.detach().requires_grad_()
+            losses = F.ctc_loss(**{**bound, "log_probs": leaf, "reduction": "none"})
+            (d,) = torch.autograd.grad(losses.sum(), leaf)
+        losses = losses.detach()
+        ctx.d = session.packer.pack_fixed(d, bits, "ctc_loss gradient", replaces=(x,))
+        del d
+        lengths = torch.as_tensor(bound["target_lengths"], device=x.device)
+        # PyTorch's own keeps its forward variables too: a float a frame and target state
+        # (counted where the longest target is known without waiting for the device)
+        longest = _longest(bound["targets"], lengths)
+        if longest is not None:
+            frames, batch = x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
+            session.accounting.count_internal(frames * batch * (2 * longest + 1)
+                                              * x.element_size())
+        ctx.conf = (reduction, x.dim(), x.dtype)
+        if reduction == "none":
+            return losses
+        if reduction == "sum":
+            return losses.sum()
+        per_target = lengths.clamp(min=1).to(losses.dtype)
+        ctx.per_target = per_target  # (one number a sample)
+        return (losses / per_target).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        reduction, dims, dtype = ctx.conf
+        d = take(ctx, "d").get()
+        if reduction == "mean":
+            per_sample = grad / (ctx.per_target * ctx.per_target.numel())
+        else:
+            per_sample = grad  # (a number for sum, one a sample for none)
+        if dims == 3:  # [frames, batch, classes]
+            per_sample = per_sample.reshape(1, -1, 1) if per_sample.dim() else per_sample
+        return d.mul_(per_sample).to(dtype), None, None, None

@@ -91,6 +91,12 @@ class Accounting:
         self.stats.saved_bytes += t.numel() * t.element_size()
         return True
 
+    def count_internal(self, nbytes: int) -> None:
+        """Count ``nbytes`` an op of PyTorch's would keep in a tensor it makes inside itself
+        and no caller sees (CTC's forward variables), where a rule keeps something else."""
+        if self.counting:
+            self.stats.saved_bytes += nbytes
+
     def forget(self, t: torch.Tensor) -> None:
         """``t``'s storage holds a new value (written over in place): count it again."""
         self.seen.pop(storage_key(t, None)[:-2], None)

@@ -265,3 +265,44 @@ def test_a_weighted_l1_loss_keeps_its_weight():
         got = F.l1_loss(x * 1.0, target, weight=weight)
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(torch.autograd.grad(got, x)[0], exact)
+
+
+def _ctc_case(case: str):
+    gen = torch.Generator().manual_seed(7)
+    frames, batch, classes = 40, 3, 12
+    logits = torch.randn(frames, batch, classes, generator=gen)
+    lengths = torch.tensor([18, 9, 13])
+    padded = torch.randint(1, classes, (batch, 18), generator=gen)
+    kwargs = {"mean": {}, "sum": {"reduction": "sum"}, "none": {"reduction": "none"},
+              "concatenated": {"zero_infinity": True}}[case]
+    targets = (torch.cat([padded[i, :n] for i, n in enumerate(lengths.tolist())])
+               if case == "concatenated" else padded)
+    input_lengths = torch.tensor([40, 31, 36])
+
+    def fn(x):
+        return F.ctc_loss(F.log_softmax(x * 1.0, -1), targets, input_lengths, lengths, **kwargs)
+
+    return fn, logits.requires_grad_()
+
+
+@pytest.mark.parametrize("case", ["mean", "sum", "none", "concatenated"])
+def test_ctc_keeps_its_gradient_rounded(case):
+    """Speech recognition's CTC loss kept its log-probabilities and forward variables exact;
+    the rule keeps the gradient of each sample's loss, computed in forward: PyTorch's value,
+    the gradient close at 8 bits and unbiased at 2, and PyTorch's forward variables counted
+    as what it would keep."""
+    fn, x = _ctc_case(case)
+    with torch.no_grad():
+        ref = fn(x)
+    st = []
+    with actune.compressed(level(2), stats=st.append), torch.enable_grad():
+        got = fn(x)
+    torch.testing.assert_close(got, ref)
+    assert st[0].exact == {} and st[0].by_kind["ctc_loss gradient"] > 0
+    # log-probabilities, and the forward variables: frames x batch x (2 x 18 + 1) floats
+    assert st[0].saved_bytes >= x.numel() * 4 + 40 * 3 * 37 * 4
+    (exact,) = exact_grads(fn, (x,))
+    (eight,) = input_grads(fn, (x,), level(8), 1)
+    assert relative_error(eight[0], exact[0]) < 0.03
+    (two,) = input_grads(fn, (x,), level(2), 256)
+    assert shrinks_like_noise(two, exact[0], large=256) < 0.25
