@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: N812
 from actune.packing.saved import check_double_backward, take
 from actune.rules.activations import compressible
 from actune.rules.registry import register
-from actune.substitutes.functions import SavedDerivative, arg
+from actune.substitutes.functions import SavedDerivative, arg, index_dtype
 
 register((torch.exp, torch.Tensor.exp, torch.square, torch.Tensor.square),
          "elementwise", "other", "operands rounded at other bits (backward linear in each)")(None)
@@ -57,7 +57,7 @@ class CompactEmbedding(torch.autograd.Function):
     def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq, session):
         rows = weight.shape[0]
         ctx.ids = session.packer.pack_small_ints(ids, "embedding indices", (ids,),
-                                                 _index_dtype(rows))
+                                                 index_dtype(rows))
         ctx.conf = (rows, padding_idx, scale_grad_by_freq)
         return F.embedding(ids, weight, None if padding_idx < 0 else padding_idx)
 
@@ -69,11 +69,6 @@ class CompactEmbedding(torch.autograd.Function):
         return (torch.ops.aten.embedding_dense_backward(grad, ids, rows, padding_idx,
                                                         scale_grad_by_freq),
                 None, None, None, None)
-
-
-def _index_dtype(size: int) -> torch.dtype:
-    """The narrowest integer type holding indices below ``size``."""
-    return torch.uint8 if size <= 256 else torch.int16 if size <= 32768 else torch.int32
 
 
 @register((torch.gather, torch.Tensor.gather), "elementwise", None,
@@ -101,7 +96,7 @@ class CompactGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, index, session):
         ctx.index = session.packer.pack_small_ints(index, "gather indices", (index, x),
-                                                   _index_dtype(x.shape[dim]))
+                                                   index_dtype(x.shape[dim]))
         ctx.conf = (dim, x.shape, x.dtype)
         return torch.gather(x, dim, index)
 

@@ -30,7 +30,7 @@ from actune import tunables
 from actune.packing.saved import check_double_backward, plain_saving, take
 from actune.rules.activations import compressible
 from actune.rules.registry import register
-from actune.substitutes.functions import arg, one_class_per_row
+from actune.substitutes.functions import arg, index_dtype, one_class_per_row
 from actune.substitutes.lazy_logits import LazyLogits, cross_entropy_in_chunks
 
 
@@ -105,13 +105,6 @@ def _from_log_probabilities(x: torch.Tensor, target: torch.Tensor,
     return logp, loss
 
 
-def _index_dtype(classes: int) -> torch.dtype:
-    """The narrowest integer type holding class indices below ``classes``."""
-    if classes <= 256:
-        return torch.uint8
-    return torch.int16 if classes <= 2**15 else torch.int32
-
-
 def _has_values(t: torch.Tensor) -> bool:
     """Not a fake tensor (an estimate's step: shapes only, no branch on values)."""
     return not isinstance(t, FakeTensor)
@@ -148,7 +141,7 @@ class PackedCrossEntropy(torch.autograd.Function):
         # targets (as large as 4-bit probabilities of 16 classes: a segmentation's)
         ctx.target = session.packer.pack_small_ints(torch.where(valid, safe, classes),
                                                     "cross_entropy targets", (target,),
-                                                    _index_dtype(classes + 1))
+                                                    index_dtype(classes + 1))
         ctx.weight = weight
         ctx.conf = (reduction, smoothing, classes, x.dtype)
         if reduction == "none":

@@ -609,6 +609,12 @@ def arg(args: tuple, kwargs: dict, i: int, name: str, default):
     return kwargs.get(name, default)
 
 
+def index_dtype(size: int) -> torch.dtype:
+    """The narrowest integer type holding indices below ``size`` (uint8 up to 256, int16 up to
+    32,768, else int32): what a rule keeps of int64 indices that ``size`` bounds."""
+    return torch.uint8 if size <= 256 else torch.int16 if size <= 32768 else torch.int32
+
+
 def one_class_per_row(x: torch.Tensor, target: torch.Tensor) -> bool:
     """Class indices for ``(N, C)`` logits, or for ``(N, C, d1, ...)`` ones at each of the
     ``(N, d1, ...)`` positions (the classes along dimension 1, as PyTorch's loss reads them)."""

@@ -10,6 +10,7 @@ import torch.nn.functional as F  # noqa: N812
 import actune
 from actune import tunables
 from actune.rules import losses
+from actune.substitutes.functions import index_dtype
 from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
 
 TARGET = torch.randint(0, 300, (32,), generator=torch.Generator().manual_seed(1))
@@ -187,7 +188,7 @@ def test_targets_are_kept_in_the_narrowest_integers_and_counted(classes, dtype):
     kept = st[0].by_kind["cross_entropy targets"]
     assert kept == rows * dtype.itemsize
     assert st[0].saved_bytes == x.numel() * 4 + rows * 8  # log-probabilities, int64 targets
-    assert losses._index_dtype(classes + 1) is dtype
+    assert index_dtype(classes + 1) is dtype
 
 
 #: Elementwise losses of an input and a target: the target requires a gradient in "mirrored"
