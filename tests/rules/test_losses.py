@@ -37,6 +37,17 @@ def logits(dtype=torch.float32):
     return x.to(dtype).requires_grad_()
 
 
+def _pytorchs_value(fn, x: torch.Tensor, lv) -> actune.CompressionStats:
+    """``fn(x)`` under ``compressed(lv)`` is PyTorch's value; the step's statistics."""
+    with torch.no_grad():
+        ref = fn(x)
+    st = []
+    with actune.compressed(lv, stats=st.append), torch.enable_grad():
+        got = fn(x)
+    torch.testing.assert_close(got, ref)
+    return st[0]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_value_is_pytorchs_and_gradient_unbiased(case):
     fn = loss(CASES[case])
@@ -151,13 +162,8 @@ def test_per_position_logits_keep_packed_probabilities_and_an_unbiased_gradient(
     kwargs = PIXEL_CASES[case]
     fn = lambda x: F.cross_entropy(x * 1.0, PIXEL_TARGET, **kwargs)  # noqa: E731
     x = pixel_logits()
-    with torch.no_grad():
-        ref = fn(x)
-    st = []
-    with actune.compressed("L3", stats=st.append), torch.enable_grad():
-        got = fn(x)
-    torch.testing.assert_close(got, ref)
-    assert st[0].exact == {} and st[0].by_kind["cross_entropy"] > 0
+    stats = _pytorchs_value(fn, x, "L3")
+    assert stats.exact == {} and stats.by_kind["cross_entropy"] > 0
     (exact,) = exact_grads(fn, (x,))
     (eight,) = input_grads(fn, (x,), level(8), 1)
     assert relative_error(eight[0], exact[0]) < 0.02
@@ -228,13 +234,8 @@ def test_elementwise_losses_keep_their_rounded_derivative(case):
     def fn(a, b=target):
         return func(a * 1.0, b * 1.0 if b.requires_grad else b, **kwargs)
 
-    with torch.no_grad():
-        ref = fn(x)
-    st = []
-    with actune.compressed(level(2), stats=st.append), torch.enable_grad():
-        got = fn(x)
-    torch.testing.assert_close(got, ref)
-    assert st[0].exact == {} and st[0].by_kind == {"loss derivative": 64 * 16 // 4 + 4 * 4}
+    stats = _pytorchs_value(fn, x, level(2))
+    assert stats.exact == {} and stats.by_kind == {"loss derivative": 64 * 16 // 4 + 4 * 4}
     exact = exact_grads(fn, inputs)
     eight = input_grads(fn, inputs, level(8), 1)
     two = input_grads(fn, inputs, level(2), 256)
@@ -293,15 +294,10 @@ def test_ctc_keeps_its_gradient_rounded(case):
     the gradient close at 8 bits and unbiased at 2, and PyTorch's forward variables counted
     as what it would keep."""
     fn, x = _ctc_case(case)
-    with torch.no_grad():
-        ref = fn(x)
-    st = []
-    with actune.compressed(level(2), stats=st.append), torch.enable_grad():
-        got = fn(x)
-    torch.testing.assert_close(got, ref)
-    assert st[0].exact == {} and st[0].by_kind["ctc_loss gradient"] > 0
+    stats = _pytorchs_value(fn, x, level(2))
+    assert stats.exact == {} and stats.by_kind["ctc_loss gradient"] > 0
     # log-probabilities, and the forward variables: frames x batch x (2 x 18 + 1) floats
-    assert st[0].saved_bytes >= x.numel() * 4 + 40 * 3 * 37 * 4
+    assert stats.saved_bytes >= x.numel() * 4 + 40 * 3 * 37 * 4
     (exact,) = exact_grads(fn, (x,))
     (eight,) = input_grads(fn, (x,), level(8), 1)
     assert relative_error(eight[0], exact[0]) < 0.03
