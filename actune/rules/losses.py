@@ -367,3 +367,61 @@ class PackedCTC(torch.autograd.Function):
         if dims == 3:  # [frames, batch, classes]
             per_sample = per_sample.reshape(1, -1, 1) if per_sample.dim() else per_sample
         return d.mul_(per_sample).to(dtype), None, None, None
+
+
+@register((F.nll_loss,), "loss", None,
+          "the targets exact, in the narrowest integers holding the classes (PyTorch keeps "
+          "int64 ones); the input not kept (its gradient reads only the targets)")
+def nll_loss(s, func, args, kwargs, level):
+    """``nll_loss`` (after a log-softmax, whose rule packs the probabilities) keeps the int64
+    targets, as large as 2-bit probabilities of 32 classes: a segmentation's per-pixel ones.
+    The rule keeps them in the narrowest integers, an ignored target as ``classes``."""
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
+             "reduction")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    x, target, weight = bound["input"], bound["target"], bound.get("weight")
+    if (not isinstance(target, torch.Tensor) or target.is_floating_point()
+            or not one_class_per_row(x, target) or target.numel() < level.min_numel
+            or bound.get("size_average") is not None or bound.get("reduce") is not None
+            or bound.get("reduction", "mean") not in ("mean", "sum", "none")
+            or (isinstance(weight, torch.Tensor) and weight.requires_grad)):
+        return None
+    return CompactNLL.apply(x, target, bound, s)
+
+
+class CompactNLL(torch.autograd.Function):
+    """``nll_loss`` keeping its targets compact (see :func:`nll_loss`); backward scatters
+    ``-weight * grad`` at each target, as PyTorch's."""
+
+    @staticmethod
+    def forward(ctx, x, target, bound, session):
+        out = F.nll_loss(**{**bound, "input": x, "target": target})
+        classes = x.shape[1]
+        valid = target != bound.get("ignore_index", -100)
+        ctx.target = session.packer.pack_small_ints(torch.where(valid, target, classes),
+                                                    "nll_loss targets", (target,),
+                                                    index_dtype(classes + 1))
+        weight, reduction = bound.get("weight"), bound.get("reduction", "mean")
+        ctx.weight = weight
+        if reduction == "mean":  # (the weights of the counted targets, summed)
+            safe = torch.where(valid, target, 0)
+            w = valid.float() if weight is None else valid.float() * weight.float()[safe]
+            ctx.total = w.sum()
+        ctx.conf = (reduction, classes, x.shape, x.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        reduction, classes, shape, dtype = ctx.conf
+        target = take(ctx, "target").get().long()
+        valid = target != classes
+        target = target.masked_fill_(~valid, 0)
+        w = valid.to(torch.float32)
+        if ctx.weight is not None:
+            w = w.mul_(ctx.weight.float()[target])
+        g = grad.float()
+        w = w.mul_(g / ctx.total if reduction == "mean" else g)
+        out = torch.zeros(shape, dtype=torch.float32, device=grad.device)
+        out.scatter_add_(1, target.unsqueeze(1), w.neg_().unsqueeze(1))
+        return out.to(dtype), None, None, None

@@ -303,3 +303,27 @@ def test_ctc_keeps_its_gradient_rounded(case):
     assert relative_error(eight[0], exact[0]) < 0.03
     (two,) = input_grads(fn, (x,), level(2), 256)
     assert shrinks_like_noise(two, exact[0], large=256) < 0.25
+
+
+@pytest.mark.parametrize("pixels", [False, True], ids=["rows", "per_pixel"])
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "sum"}, {"reduction": "none"},
+                                    {"ignore_index": 3}, {"weight": WEIGHT[:10]}],
+                         ids=["mean", "sum", "none", "ignore_index", "weight"])
+def test_nll_loss_keeps_compact_targets_and_pytorchs_gradient(kwargs, pixels):
+    """``nll_loss`` kept int64 targets; the rule keeps a byte a target (below 256 classes) and
+    no input, and its value and gradient are PyTorch's exactly (nothing rounded there; the
+    log-softmax before it exact at a level with no ``other_bits``)."""
+    gen = torch.Generator().manual_seed(8)
+    shape, target_shape = ((4, 10, 16, 16), (4, 16, 16)) if pixels else ((256, 10), (256,))
+    x = torch.randn(shape, generator=gen).requires_grad_()
+    target = torch.randint(0, 10, target_shape, generator=gen)
+
+    def fn(t):
+        return F.nll_loss(F.log_softmax(t * 1.0, 1), target, **kwargs)
+
+    lv = actune.get_level("L3").with_(other_bits=None, min_numel=16)
+    stats = _pytorchs_value(fn, x, lv)
+    assert stats.by_kind["nll_loss targets"] == target.numel()
+    (exact,) = exact_grads(fn, (x,))
+    (got,) = input_grads(fn, (x,), lv, 1)
+    torch.testing.assert_close(got[0], exact[0], rtol=0, atol=0)
