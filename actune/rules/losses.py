@@ -19,6 +19,7 @@ the input's size where PyTorch kept two (a diffusion model's predicted and targe
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 
@@ -110,6 +111,31 @@ def _has_values(t: torch.Tensor) -> bool:
     return not isinstance(t, FakeTensor)
 
 
+def _row_weights(valid: torch.Tensor, target: torch.Tensor,
+                 weight: torch.Tensor | None) -> torch.Tensor:
+    """Each row's weight in the loss: its class's (1 without class weights), 0 where it does
+    not count (``target`` holds any class there)."""
+    rows = valid.to(torch.float32)
+    return rows if weight is None else rows.mul_(weight.float()[target])
+
+
+def _pack_targets(session, target: torch.Tensor, valid: torch.Tensor, classes: int,
+                  kind: str) -> object:
+    """What backward reads of class targets: each row's class in the narrowest integers that
+    hold it, ``classes`` for a row that does not count, where PyTorch keeps int64 targets (as
+    large as 4-bit probabilities of 16 classes: a segmentation's)."""
+    return session.packer.pack_small_ints(torch.where(valid, target, classes), kind, (target,),
+                                          index_dtype(classes + 1))
+
+
+def _unpack_targets(saved, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets, with class 0 where a row does not count; which rows count) of
+    :func:`_pack_targets`' value."""
+    target = saved.get().long()
+    valid = target != classes
+    return target.masked_fill_(~valid, 0), valid
+
+
 class PackedCrossEntropy(torch.autograd.Function):
     """Cross entropy over ``(N, C)`` logits keeping the probabilities packed (higher-dimensional
     logits come as rows: see :func:`cross_entropy`)."""
@@ -119,9 +145,7 @@ class PackedCrossEntropy(torch.autograd.Function):
         n, classes = x.shape
         valid = target != ignore_index
         safe = torch.where(valid, target, 0)
-        row_weight = valid.to(torch.float32)
-        if weight is not None:
-            row_weight = row_weight * weight.float()[safe]
+        row_weight = _row_weights(valid, safe, weight)
         losses = torch.empty(n, dtype=torch.float32, device=x.device)
         rows = max(1, tunables.LOSS_SLICE // max(classes, 1))
         packed = []
@@ -136,12 +160,7 @@ class PackedCrossEntropy(torch.autograd.Function):
             del p
         losses.mul_(row_weight)
         ctx.packed, ctx.rows = packed, rows
-        # what backward reads of the targets: each row's class in the narrowest integers
-        # that hold it, ``classes`` for a row that does not count, where PyTorch keeps int64
-        # targets (as large as 4-bit probabilities of 16 classes: a segmentation's)
-        ctx.target = session.packer.pack_small_ints(torch.where(valid, safe, classes),
-                                                    "cross_entropy targets", (target,),
-                                                    index_dtype(classes + 1))
+        ctx.target = _pack_targets(session, target, valid, classes, "cross_entropy targets")
         ctx.weight = weight
         ctx.conf = (reduction, smoothing, classes, x.dtype)
         if reduction == "none":
@@ -157,13 +176,8 @@ class PackedCrossEntropy(torch.autograd.Function):
         check_double_backward()
         reduction, smoothing, classes, dtype = ctx.conf
         packed = take(ctx, "packed")
-        target = take(ctx, "target").get().long()
-        valid = target != classes  # (an ignored row's class is ``classes``)
-        target = target.masked_fill_(~valid, 0)
-        row_weight = valid.to(torch.float32)
-        if ctx.weight is not None:
-            row_weight.mul_(ctx.weight.float()[target])
-        coef = row_weight.mul_(grad.float())  # per row: d loss / d p
+        target, valid = _unpack_targets(take(ctx, "target"), classes)
+        coef = _row_weights(valid, target, ctx.weight).mul_(grad.float())  # d loss / d p
         if reduction == "mean":
             coef = coef / ctx.total
         out = torch.empty((target.numel(), classes), dtype=dtype, device=grad.device)
@@ -181,6 +195,16 @@ class PackedCrossEntropy(torch.autograd.Function):
                 out[start:start + rows] = part
             del part
         return out, None, None, None, None, None, None, None
+
+
+@functools.cache
+def _parameters(func) -> tuple[str, ...]:
+    return tuple(inspect.signature(func).parameters)
+
+
+def _arguments(func, args: tuple, kwargs: dict) -> dict:
+    """The arguments given to ``func``, by name (the defaults not filled in)."""
+    return dict(zip(_parameters(func), args, strict=False)) | kwargs
 
 
 def _huber_slope(x: torch.Tensor, target: torch.Tensor, delta: float) -> torch.Tensor:
@@ -228,8 +252,7 @@ _PYTORCH_KEEPS = {F.l1_loss: lambda x, t, d: (d,),  # (an abs of the difference)
 def elementwise_loss(s, func, args, kwargs, level):
     x, target = args[0], arg(args, kwargs, 1, "target", None)
     option, slope, mirrored = _ELEMENTWISE[func]
-    names = tuple(inspect.signature(func).parameters)
-    bound = dict(zip(names, args, strict=False)) | kwargs
+    bound = _arguments(func, args, kwargs)
     if func is F.l1_loss and "weight" not in bound:
         weight = _l1_weight()
         if weight is not None:  # (see _l1_weight: PyTorch's own, with it)
@@ -304,9 +327,7 @@ def ctc_loss(s, func, args, kwargs, level):
     again. Each sample's loss depends on its own frames alone, so the gradient of the
     per-sample losses, computed in forward, is all backward needs: it scales each sample's
     by the output's gradient (:class:`PackedCTC`)."""
-    names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank", "reduction",
-             "zero_infinity")
-    bound = dict(zip(names, args, strict=False)) | kwargs
+    bound = _arguments(func, args, kwargs)
     x, reduction = bound["log_probs"], bound.get("reduction", "mean")
     if (not compressible(x, level) or x.dim() not in (2, 3) or reduction not in
             ("mean", "sum", "none") or not x.requires_grad):
@@ -376,9 +397,7 @@ def nll_loss(s, func, args, kwargs, level):
     """``nll_loss`` (after a log-softmax, whose rule packs the probabilities) keeps the int64
     targets, as large as 2-bit probabilities of 32 classes: a segmentation's per-pixel ones.
     The rule keeps them in the narrowest integers, an ignored target as ``classes``."""
-    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce",
-             "reduction")
-    bound = dict(zip(names, args, strict=False)) | kwargs
+    bound = _arguments(func, args, kwargs)
     x, target, weight = bound["input"], bound["target"], bound.get("weight")
     if (not isinstance(target, torch.Tensor) or target.is_floating_point()
             or not one_class_per_row(x, target) or target.numel() < level.min_numel
@@ -398,15 +417,11 @@ class CompactNLL(torch.autograd.Function):
         out = F.nll_loss(**{**bound, "input": x, "target": target})
         classes = x.shape[1]
         valid = target != bound.get("ignore_index", -100)
-        ctx.target = session.packer.pack_small_ints(torch.where(valid, target, classes),
-                                                    "nll_loss targets", (target,),
-                                                    index_dtype(classes + 1))
+        ctx.target = _pack_targets(session, target, valid, classes, "nll_loss targets")
         weight, reduction = bound.get("weight"), bound.get("reduction", "mean")
         ctx.weight = weight
         if reduction == "mean":  # (the weights of the counted targets, summed)
-            safe = torch.where(valid, target, 0)
-            w = valid.float() if weight is None else valid.float() * weight.float()[safe]
-            ctx.total = w.sum()
+            ctx.total = _row_weights(valid, torch.where(valid, target, 0), weight).sum()
         ctx.conf = (reduction, classes, x.shape, x.dtype)
         return out
 
@@ -414,12 +429,8 @@ class CompactNLL(torch.autograd.Function):
     def backward(ctx, grad):
         check_double_backward()
         reduction, classes, shape, dtype = ctx.conf
-        target = take(ctx, "target").get().long()
-        valid = target != classes
-        target = target.masked_fill_(~valid, 0)
-        w = valid.to(torch.float32)
-        if ctx.weight is not None:
-            w = w.mul_(ctx.weight.float()[target])
+        target, valid = _unpack_targets(take(ctx, "target"), classes)
+        w = _row_weights(valid, target, ctx.weight)
         g = grad.float()
         w = w.mul_(g / ctx.total if reduction == "mean" else g)
         out = torch.zeros(shape, dtype=torch.float32, device=grad.device)
