@@ -174,15 +174,24 @@ class Saved:
         """The value times ``other`` (written into ``into`` if given; it may be ``other``).
         Where :meth:`folds`, the product is taken as the kernel unpacks: one pass and no
         dequantized copy, not kept for a later reader (which unpacks again)."""
-        if self.folds():
-            if torch.is_grad_enabled():
-                raise DoubleBackwardError(_DOUBLE_BACKWARD)
-            out = dequantize_times(self.packed, other, into)
-            if out is not None:
-                self.readers -= 1
-                return out
+        out = self.folded_times(other, into)
+        if out is not None:
+            return out
         value = self.get()
         return value * other if into is None else torch.mul(value, other, out=into)
+
+    def folded_times(self, other: torch.Tensor,
+                     into: torch.Tensor | None = None) -> torch.Tensor | None:
+        """:meth:`times` where the product is taken as the kernel unpacks, else None (nothing
+        read: the caller reads the value its own way)."""
+        if not self.folds():
+            return None
+        if torch.is_grad_enabled():
+            raise DoubleBackwardError(_DOUBLE_BACKWARD)
+        out = dequantize_times(self.packed, other, into)
+        if out is not None:
+            self.readers -= 1
+        return out
 
     def owned(self) -> torch.Tensor:
         """The value as a tensor nothing else holds (the caller may overwrite it), not kept

@@ -191,10 +191,13 @@ class GatedProduct(torch.autograd.Function):
 
 def _times(grad: torch.Tensor, saved) -> torch.Tensor:
     """``grad`` times a packed operand: folded into its unpack where the kernels can
-    (:meth:`~actune.packing.saved.Saved.times`), else written over its dequantized copy where the
-    dtypes agree and nothing else holds that copy (one temporary less)."""
-    if saved.folds() or saved.held:  # (held: dequantized already, for the other reader)
-        return saved.times(grad)
+    (:meth:`~actune.packing.saved.Saved.folded_times`), else written over its dequantized
+    copy where the dtypes agree and nothing else holds that copy (one temporary less)."""
+    out = saved.folded_times(grad)
+    if out is not None:
+        return out
+    if saved.held:  # dequantized already, for the other reader
+        return saved.get() * grad
     value = saved.fresh()
     return value.mul_(grad) if value.dtype == grad.dtype and value.shape == grad.shape \
         else grad * value

@@ -146,13 +146,17 @@ class PackedCrossEntropy(torch.autograd.Function):
         valid = target != ignore_index
         safe = torch.where(valid, target, 0)
         row_weight = _row_weights(valid, safe, weight)
-        losses = torch.empty(n, dtype=torch.float32, device=x.device)
         rows = max(1, tunables.LOSS_SLICE // max(classes, 1))
+        # (one slice, most steps' case: its losses are the result, with no buffer to fill)
+        losses = None if n <= rows else torch.empty(n, dtype=torch.float32, device=x.device)
         packed = []
         for start in range(0, n, rows):
-            p, losses[start:start + rows] = _probabilities(x[start:start + rows].float(),
-                                                           safe[start:start + rows, None],
-                                                           smoothing, x.is_cpu)
+            if losses is None:
+                p, losses = _probabilities(x.float(), safe[:, None], smoothing, x.is_cpu)
+            else:
+                p, losses[start:start + rows] = _probabilities(
+                    x[start:start + rows].float(), safe[start:start + rows, None], smoothing,
+                    x.is_cpu)
             if x.dtype != torch.float32:
                 p = p.to(x.dtype)
             session.accounting.count(p)  # PyTorch keeps the log-probabilities, as large

@@ -121,6 +121,11 @@ class Session:
         self.levels: list[Level] = []
         self.level: Level | None = None  # the innermost level (levels[-1]), None outside
         self.widths: dict[str | None, int | None] = {None: None}  # see _set_level
+        # (function, input shape, weight shape) -> (rule, label) of a linear layer or a
+        # convolution with a trainable weight at ``level`` (see routing._label), kept while
+        # the level is the same object
+        self.weighted_labels: dict[tuple, tuple] = {}
+        self._labelled_level: Level | None = None
         self.holds = 0  # forward passes of compress()ed models that share one cache
         # the op being run and what its rule says of what it saves (OUTSIDE_OPS: none)
         self.label: OpLabel = OUTSIDE_OPS
@@ -411,6 +416,8 @@ class Session:
 
     def _set_level(self, level: Level | None) -> None:
         self.level = level
+        if level is not None and level is not self._labelled_level:
+            self.weighted_labels, self._labelled_level = {}, level
         self._update_allocating()
         # each rule-bits kind's width at this level, computed once (None: kept exact)
         self.widths = {None: None, **({} if level is None else {

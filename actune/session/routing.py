@@ -305,6 +305,27 @@ def _label(s, func, rule, args, kwargs) -> OpLabel:
     ``s``: which op runs and how its rule keeps what it saves (the pack hook reads it)."""
     if rule is None:
         return OpLabel(func)
+    if rule.weight_at == 1 and not kwargs and len(args) > 1:
+        # (the most frequent routed calls: a linear layer's or a convolution's input times
+        # its trainable weight, whose label depends on the two shapes alone (the arguments
+        # after the bias are never tensors): made once per pair at this level)
+        x, w = args[0], args[1]
+        b = args[2] if len(args) > 2 else None
+        if (isinstance(w, torch.Tensor) and w.is_leaf and w.requires_grad
+                and (b is None or (isinstance(b, torch.Tensor) and b.is_leaf and b.requires_grad))
+                and isinstance(x, torch.Tensor) and not parameter_like(x)):
+            key = (func, x.shape, w.shape)
+            made = s.weighted_labels.get(key)
+            if made is not None and made[0] is rule:  # (a rule replaced since: made again)
+                return made[1]
+            label = _full_label(s, func, rule, args, kwargs)
+            s.weighted_labels[key] = (rule, label)
+            return label
+    return _full_label(s, func, rule, args, kwargs)
+
+
+def _full_label(s, func, rule, args, kwargs) -> OpLabel:
+    """:func:`_label` of a call through ``rule``, from all of its arguments."""
     matmul = rule.category == "matmul"
     frozen, with_weight = (), False
     exact: dict[int, str] | tuple = ()

@@ -540,13 +540,39 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
     return torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
 
 
+#: (dtype, device) -> a scalar one that the backward kernels below read as their gradient.
+_ONES: dict[tuple, torch.Tensor] = {}
+
+
+def _read_unit(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_unit` for a kernel that only reads it (PyTorch's backward kernels): one scalar
+    per dtype and device made once, not one op more per call (a plain tensor's; a fake one,
+    an estimate's, gets its own)."""
+    if type(x) is not torch.Tensor:
+        return _unit(x)
+    key = (x.dtype, x.device)
+    one = _ONES.get(key)
+    if one is None:
+        one = _ONES[key] = torch.ones((), dtype=x.dtype, device=x.device)
+    return one.expand_as(x)
+
+
+# (the overloads themselves: an overload packet's call resolves one in Python every time)
+_GELU_BACKWARD = torch.ops.aten.gelu_backward.default
+_SILU_BACKWARD = torch.ops.aten.silu_backward.default
+_HARDSWISH_BACKWARD = torch.ops.aten.hardswish_backward.default
+_MISH_BACKWARD = torch.ops.aten.mish_backward.default
+_ELU_BACKWARD = torch.ops.aten.elu_backward.default
+_SOFTPLUS_BACKWARD = torch.ops.aten.softplus_backward.default
+
+
 def gelu_derivative(approximate: str):
     """GELU's derivative: PyTorch's own GELU backward with a unit gradient, one vectorised
     pass and no temporaries, faster than the tanh form spelled in tensor ops
     (docs/benchmarks.md, "Step speed on the CPU")."""
 
     def derivative(x, _y):
-        return torch.ops.aten.gelu_backward(_unit(x), x, approximate=approximate)
+        return _GELU_BACKWARD(_read_unit(x), x, approximate=approximate)
 
     return derivative
 
@@ -554,28 +580,28 @@ def gelu_derivative(approximate: str):
 def silu_derivative(x, _y):
     """SiLU's derivative ``s (1 + x (1 - s))``, ``s = sigmoid(x)``: PyTorch's own SiLU
     backward with a unit gradient, one vectorised pass and no temporaries."""
-    return torch.ops.aten.silu_backward(_unit(x), x)
+    return _SILU_BACKWARD(_read_unit(x), x)
 
 
 def hardswish_derivative(x, _y):
     """Hardswish's derivative: PyTorch's own backward kernel with a unit gradient."""
-    return torch.ops.aten.hardswish_backward(_unit(x), x)
+    return _HARDSWISH_BACKWARD(_read_unit(x), x)
 
 
 def mish_derivative(x, _y):
-    return torch.ops.aten.mish_backward(_unit(x), x)
+    return _MISH_BACKWARD(_read_unit(x), x)
 
 
 def elu_derivative(alpha: float, scale: float = 1.0, input_scale: float = 1.0):
     """ELU's (SELU's, CELU's) derivative of the input: PyTorch's ``elu_backward``."""
     def derivative(x, _y):
-        return torch.ops.aten.elu_backward(_unit(x), alpha, scale, input_scale, False, x)
+        return _ELU_BACKWARD(_read_unit(x), alpha, scale, input_scale, False, x)
     return derivative
 
 
 def softplus_derivative(beta: float, threshold: float):
     def derivative(x, _y):
-        return torch.ops.aten.softplus_backward(_unit(x), x, beta, threshold)
+        return _SOFTPLUS_BACKWARD(_read_unit(x), x, beta, threshold)
     return derivative
 
 

@@ -38,17 +38,27 @@ def _eps(module: nn.Module) -> float | None:
     return getattr(module, "eps", None) if eps is None else eps
 
 
+#: A block reading tensors' metadata alone (dtype, shape) with no function mode told of each
+#: read: a module's forward runs outside the mode's own handling, where every such read under
+#: ``compressed()`` would be a call of the mode.
+_metadata_only = torch._C.DisableTorchFunction
+
+
 def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """Hugging Face's ``weight * rms_normalised(x)`` as one ``F.rms_norm``; None where it
     does not fit (not where the dtypes differ, as under autocast): the module's own code then
     runs."""
     weight = module._parameters.get("weight")
     eps = _eps(module)
-    if weight is None or weight.dtype != x.dtype or eps is None:
+    if weight is None or eps is None:
         return None
+    with _metadata_only():
+        if weight.dtype != x.dtype:
+            return None
+        features = x.shape[-1]
     # (torch's builtin: the function mode sees it with none of torch.nn.functional's Python
     # dispatch around it; the rule is the same)
-    return torch.rms_norm(x, (x.shape[-1],), weight, float(eps))
+    return torch.rms_norm(x, (features,), weight, float(eps))
 
 
 def _tanh_gelu(_module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -105,11 +115,13 @@ def _fusing_forward(own: Callable, entry: Fused) -> Callable:
             return own(self, *args, **kwargs)  # (compiled: its own chain, under the traced rules)
         when = getattr(_local, "when", None)
         if (when is not None and len(args) == 1 and not kwargs
-                and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled()
-                and args[0].is_floating_point() and when()):
-            out = entry.run(self, args[0])
-            if out is not None:
-                return out
+                and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled()):
+            with _metadata_only():
+                floating = args[0].is_floating_point()
+            if floating and when():
+                out = entry.run(self, args[0])
+                if out is not None:
+                    return out
         return own(self, *args, **kwargs)
 
     forward.__actune_own_forward__ = own

@@ -2,6 +2,8 @@
 and a compressed step reads no value back to the host (checked on the meta device, where any
 such read raises)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -147,3 +149,70 @@ def test_a_converted_step_between_statistics_steps_routes_only_ruled_calls(monke
     assert between and all(ruled and not counting for _, ruled, counting in between)
     assert {func for func, *_ in between} == {F.linear, F.relu}
     assert again == statistics  # (every=2: the third step collects again)
+
+
+def test_a_layer_with_a_trainable_weight_is_labelled_once_per_shapes_and_level():
+    from actune.rules import RULES
+
+    x = torch.randn(4, 16, 32, requires_grad=True) * 1.0  # (an activation, not a leaf)
+    trainable = nn.Linear(32, 256)  # (8x wider: its input takes the level's narrow width)
+    frozen = nn.Linear(32, 256).requires_grad_(False)
+
+    def calls():
+        for _ in range(2):
+            trainable(x)
+            frozen(x)
+            F.linear(x, trainable.weight)
+            F.linear(x[:, :8], trainable.weight)  # (other shapes: a label of their own)
+
+    labels = []  # what the pack hook reads for each call: the label its rule runs under
+    spy_rule = RULES[F.linear]
+
+    def capture(s, func, args, kwargs, level):
+        labels.append(s.label)
+        return spy_rule.replace(s, func, args, kwargs, level)
+
+    RULES[F.linear] = dataclasses.replace(spy_rule, replace=capture)
+    try:
+        with actune.compressed("L3"):
+            calls()
+        at_l3 = labels[:]
+        labels.clear()
+        with actune.compressed("L3"):
+            calls()
+        again = labels[:]
+        labels.clear()
+        with actune.compressed("u8"):
+            calls()
+        at_u8 = labels[:]
+        labels.clear()
+        RULES[F.linear] = dataclasses.replace(spy_rule, replace=capture, width=None,
+                                             features_last=False)
+        with actune.compressed("L3"):
+            calls()
+        replaced = labels[:]
+    finally:
+        RULES[F.linear] = spy_rule
+    # each call's label as the full derivation gives it: a widening layer's input at the
+    # narrow width, a frozen weight's shapes kept exact, other shapes their own label
+    assert [lab.kind for lab in at_l3[:4]] == [routing.NARROW] * 4
+    assert at_l3[1].frozen_shapes == {frozen.weight.shape, frozen.bias.shape}
+    assert at_l3[0].frozen_shapes == () and at_l3[0].features
+    # the same object for the same shapes, within a step and across steps at one level
+    assert at_l3[0] is at_l3[4] is again[0] and at_l3[2] is at_l3[6]
+    assert at_l3[2] is at_l3[0] and at_l3[3] is not at_l3[0]  # (a trainable bias or none)
+    assert at_l3[1] is not at_l3[5]  # (a frozen weight: labelled from its arguments each call)
+    conv = nn.Conv2d(4, 8, 3)
+    images = torch.randn(2, 4, 9, 9, requires_grad=True) * 1.0
+    with actune.compressed("L3"):
+        s = _session()
+        labels_of_convs = []
+        for _ in range(2):
+            conv(images)
+            labels_of_convs.append(s.weighted_labels[(F.conv2d, images.shape,
+                                                      conv.weight.shape)][1])
+    assert labels_of_convs[0] is labels_of_convs[1] and labels_of_convs[0].kind == "matmul"
+    assert at_u8[0] is not at_l3[0] and at_u8[2] is at_u8[6]  # (made again at another level)
+    # a rule replaced since: its own label (what it saves kept exact)
+    assert replaced[0] is not at_l3[0] and replaced[0].kind is None
+    assert not replaced[0].features

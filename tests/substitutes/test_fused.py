@@ -52,3 +52,30 @@ def test_a_class_imported_after_the_first_block_is_taken_over_at_the_next(monkey
     assert len(actune_calls) == 1
     assert (len(nn_module._global_forward_pre_hooks),
             len(nn_module._global_forward_hooks)) == hooks
+
+
+def test_a_fused_rms_norm_asks_the_function_mode_for_its_one_op_alone(monkeypatch):
+    # its checks read the input's and weight's dtype and shape: outside the mode's own
+    # handling each read would be a call of the mode (four a layer, before the op)
+    import transformers
+
+    from actune.session.routing import FunctionMode
+
+    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(64)
+    seen = []
+    own = FunctionMode.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return own(self, func, types, args, kwargs)
+
+    x = torch.randn(2, 8, 64, requires_grad=True) * 1.0
+    with actune.compressed("L3"):
+        monkeypatch.setattr(FunctionMode, "__torch_function__", spy)
+        y = norm(x)
+        monkeypatch.undo()
+    assert seen == [torch.rms_norm]
+    expected = torch.rms_norm(x, (64,), norm.weight, norm.variance_epsilon)
+    assert torch.allclose(y, expected)
+    with actune.compressed("L3"):
+        assert torch.equal(norm(x.double()), norm.forward.__actune_own_forward__(norm, x.double()))
