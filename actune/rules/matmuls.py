@@ -46,7 +46,7 @@ register(GROUPED_MATMULS, "matmul", "matmul", _KEEPS + _BY_FEATURE + "; mixture-
 def linear(s, func, args, kwargs, level):
     """A head :func:`actune.chunk_loss` marked returns :class:`LazyLogits`; every other linear
     layer runs as it is (its input packed by the hooks)."""
-    weight = arg(args, kwargs, 1, "weight", None)
+    weight = args[1] if len(args) > 1 else kwargs.get("weight")  # (every linear call)
     if not is_head(weight):
         return None
     return LazyHead.apply(args[0], weight, arg(args, kwargs, 2, "bias", None))
