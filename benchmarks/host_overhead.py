@@ -3,7 +3,9 @@
 A ResNet-18 step on inputs so small that its arithmetic is a minor part of it (batch 8,
 8x8 by default: every tensor it packs has at least ``min_numel`` elements, so the same 41
 are packed whatever the version) runs with the CPU kernels replaced by no-ops (the wrappers
-still allocate codes, metadata and outputs). Two comparisons, each divided by the tensors
+still allocate codes, metadata and outputs): the flat layout's, the per-row layout's and the
+column layout's (a layer's input packed by feature; run for real before 2026-12-07, a few
+percent of a small model's step: the Llama's 0.06x). Two comparisons, each divided by the tensors
 packed in the step (from ``CompressionStats``):
 
 * ``use``: ``--level`` as a training loop and ``actune bench`` run it (no statistics sink)
@@ -39,6 +41,11 @@ checkout for its figures; the kernels are stubbed in either).
 hooks and under both, beside ``--level``, each over plain PyTorch: the part of the level's
 host time that any design routing calls and seeing saved tensors in Python pays first.
 
+``--real-kernels`` runs the kernels instead of no-ops: the step a CPU user runs, where the
+kernels' own calls (a thread pool woken for a small tensor) count too.
+
+    python benchmarks/host_overhead.py --model llama --batch 1 --tokens 8 --floor --real-kernels
+
 ``--api compress`` runs the level as ``actune.compress(model, level)`` does (a copy of the
 model converted, its bit allocator attached: the widths allocated, as a user's training loop
 runs it) instead of ``with actune.compressed(level)`` (uniform widths, no allocator).
@@ -57,6 +64,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import ctypes
 import importlib
 import os
 import shutil
@@ -68,6 +76,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
@@ -82,18 +91,39 @@ CLOCK = time.thread_time
 def no_op_kernels() -> None:
     """Make the CPU kernels return at once: the wrappers still allocate their outputs and
     convert their arguments, as they do around the real kernels (whichever entry points the
-    version running has)."""
+    version running has). The unpacking ones write zeros (a ``memset``), not nothing: values
+    left as the allocator found them may be NaN, and a gradient that is not finite makes the
+    bit allocator of a ``compress()``ed model collect its statistics again at every step."""
     def nothing(*args, **kwargs) -> None:
         return None
 
-    for module in ("cpu", "cpu_rows"):
+    def zeros(address: int, count: int, dtype: np.dtype) -> None:
+        ctypes.memset(address, 0, count * np.dtype(dtype).itemsize)
+
+    def unpack_at(codes_at, meta_at, bits, group_size, out_at, n, dtype, *rest) -> None:
+        zeros(out_at, n, dtype)
+
+    def unpack_columns_at(codes_at, meta_at, bits, rows, out_at, total, width, dtype,
+                          *rest) -> None:
+        zeros(out_at, total * width, dtype)
+
+    def unpack(codes, meta, bits, group_size, out, *rest) -> None:
+        out[...] = 0
+
+    def unpack_rows(codes, meta, row_bits, row_offset, group_size, out, *rest) -> None:
+        out[...] = 0
+
+    stubs = {"pack": nothing, "pack_at": nothing, "pack_rows": nothing,
+             "pack_columns_at": nothing, "unpack": unpack, "unpack_at": unpack_at,
+             "unpack_rows": unpack_rows, "unpack_columns_at": unpack_columns_at}
+    for module in ("cpu", "cpu_rows", "cpu_columns"):
         try:
             kernels = importlib.import_module(f"actune_kernels.{module}")
         except ImportError:
             continue
-        for name in ("pack", "unpack", "pack_at", "unpack_at", "pack_rows", "unpack_rows"):
+        for name, stub in stubs.items():
             if hasattr(kernels, name):
-                setattr(kernels, name, nothing)
+                setattr(kernels, name, stub)
 
 
 def python_calls(fn) -> int:
@@ -146,7 +176,6 @@ def make_scoped_step(args: argparse.Namespace):
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)  # the no-op kernels leave the unpacked values unset
     model, loss_of = MODELS[args.model](args)
     converted = actune.compress(copy.deepcopy(model), args.level)
     step_converted = converted  # (what a step calls: compiled with --compiled)
@@ -163,7 +192,8 @@ def make_scoped_step(args: argparse.Namespace):
         m.zero_grad(set_to_none=True)
         return CLOCK() - t
 
-    no_op_kernels()
+    if not args.real_kernels:
+        no_op_kernels()
     step.converted = converted
     return step
 
@@ -268,7 +298,8 @@ def floor(args: argparse.Namespace) -> None:
 def _input(args: argparse.Namespace) -> str:
     size = (f"{args.tokens} tokens" if args.model == "llama"
             else f"{args.resolution}x{args.resolution}")
-    return f"{size} ({args.api}(){', compiled' if args.compiled else ''})"
+    return (f"{size} ({args.api}(){', compiled' if args.compiled else ''}"
+            f"{', real kernels' if args.real_kernels else ''})")
 
 
 def _callgrind(*command: str) -> None:
@@ -310,7 +341,8 @@ def counted(args: argparse.Namespace) -> None:
                      "--steps", str(args.steps), "--batch", str(args.batch),
                      "--model", args.model, "--tokens", str(args.tokens),
                      "--resolution", str(args.resolution), "--threads", "1",
-                     "--api", args.api, *(["--compiled"] if args.compiled else [])],
+                     "--api", args.api, *(["--compiled"] if args.compiled else []),
+                     *(["--real-kernels"] if args.real_kernels else [])],
                     env=env, capture_output=True, text=True, check=True)
                 packed = max(packed, int(done.stdout.split()[-1]))
                 dump = next(Path(tmp).glob(f"{out.name}.*.1-01"))  # the main thread's
@@ -342,6 +374,8 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions under Valgrind instead of timing")
     parser.add_argument("--steps", type=int, default=4, help="steps counted (--instructions)")
+    parser.add_argument("--real-kernels", action="store_true",
+                        help="run the kernels (what a CPU step costs) instead of no-ops")
     parser.add_argument("--compiled", action="store_true",
                         help="both models under torch.compile (Inductor)")
     parser.add_argument("--floor", action="store_true",

@@ -89,3 +89,39 @@ def test_op_coverage_runs_and_names_what_stays_exact():
     rows = {line.split("│")[1].strip(): line for line in done.stdout.splitlines()
             if line.count("│") > 4}
     assert "nothing" in rows["InstanceNorm2d"] and "lstm" in rows["LSTM"]
+
+
+def test_host_overhead_times_the_floor_with_the_kernels_stubbed_or_real():
+    """The host-work benchmark's floor comparison runs, with the kernels no-ops (every
+    layout's: a stubbed pack writes nothing, a stubbed unpack zeros) or real."""
+    for extra in ([], ["--real-kernels"]):
+        done = _run(["benchmarks/host_overhead.py", "--floor", "--rounds", "1", "--batch", "2",
+                     *extra])
+        assert done.returncode == 0, done.stderr[-2000:]
+        line = done.stdout.strip().splitlines()[-1]
+        assert "both" in line and "L3" in line and (("real kernels" in line) == bool(extra))
+    from actune_kernels import cpu, cpu_columns
+
+    entry_points = [(cpu, "pack_at"), (cpu, "unpack_at"), (cpu_columns, "pack_columns_at"),
+                    (cpu_columns, "unpack_columns_at")]
+    kept = [getattr(module, name) for module, name in entry_points]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_overhead
+
+        host_overhead.no_op_kernels()
+        stubbed = [getattr(module, name) for module, name in entry_points]
+        # (an unpacked value comes back as zeros, not as whatever the buffer held: a NaN
+        # there would make a compress()ed model's allocator collect at every step)
+        import numpy as np
+
+        out = np.full(12, np.nan, np.float32)
+        cpu.unpack_at(0, 0, 2, 256, out.ctypes.data, 12, out.dtype)
+        columns = np.full((2, 8), np.nan, np.float64)
+        cpu_columns.unpack_columns_at(0, 0, 2, 64, columns.ctypes.data, 2, 8, columns.dtype)
+        assert not out.any() and not columns.any()
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        for (module, name), kernel in zip(entry_points, kept, strict=True):
+            setattr(module, name, kernel)
+    assert all(a is not b for a, b in zip(stubbed, kept, strict=True))
