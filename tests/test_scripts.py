@@ -100,11 +100,15 @@ def test_host_overhead_times_the_floor_with_the_kernels_stubbed_or_real():
         assert done.returncode == 0, done.stderr[-2000:]
         line = done.stdout.strip().splitlines()[-1]
         assert "both" in line and "L3" in line and (("real kernels" in line) == bool(extra))
-    from actune_kernels import cpu, cpu_columns
+    # (in this process: every kernel module's attributes are put back after, each of them,
+    # since the stubs would otherwise serve every later test of this worker)
+    from actune_kernels import cpu, cpu_columns, cpu_rows
 
+    modules = (cpu, cpu_rows, cpu_columns)
+    kept = [dict(vars(module)) for module in modules]
     entry_points = [(cpu, "pack_at"), (cpu, "unpack_at"), (cpu_columns, "pack_columns_at"),
                     (cpu_columns, "unpack_columns_at")]
-    kept = [getattr(module, name) for module, name in entry_points]
+    originals = [getattr(module, name) for module, name in entry_points]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import host_overhead
@@ -119,9 +123,13 @@ def test_host_overhead_times_the_floor_with_the_kernels_stubbed_or_real():
         cpu.unpack_at(0, 0, 2, 256, out.ctypes.data, 12, out.dtype)
         columns = np.full((2, 8), np.nan, np.float64)
         cpu_columns.unpack_columns_at(0, 0, 2, 64, columns.ctypes.data, 2, 8, columns.dtype)
-        assert not out.any() and not columns.any()
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-        for (module, name), kernel in zip(entry_points, kept, strict=True):
-            setattr(module, name, kernel)
-    assert all(a is not b for a, b in zip(stubbed, kept, strict=True))
+        for module, attributes in zip(modules, kept, strict=True):
+            for name, value in attributes.items():
+                if getattr(module, name, None) is not value:
+                    setattr(module, name, value)
+    assert all(a is not b for a, b in zip(stubbed, originals, strict=True))
+    assert not out.any() and not columns.any()
+    assert all(getattr(module, name) is kernel
+               for (module, name), kernel in zip(entry_points, originals, strict=True))
