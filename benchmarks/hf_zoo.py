@@ -6,8 +6,9 @@ wide, random weights, nothing downloaded), one training step of its own loss und
 kept, their ratio and what stayed exact, by op. Language models of every common family (dense
 and mixture of experts), encoders, an encoder-decoder, vision transformers and convolutional
 networks, semantic segmentation (the loss over per-pixel logits), masked-autoencoder
-pretraining, speech; dropout, drop path and the like off (so that ``--gradients`` compares two
-runs that differ by rounding alone). ``--without-new-rules`` removes the rules of the grouped
+pretraining, object detection (DETR's set loss, deformable attention's sampling), speech;
+dropout, drop path and the like off (so that ``--gradients`` compares two runs that differ by
+rounding alone). ``--without-new-rules`` removes the rules of the grouped
 matmuls of mixture-of-experts layers, the vector 2-norms and ``F.normalize`` to show the same
 table as before they existed. ``--gradients`` adds the relative error of the whole gradient at
 ``u8`` against exact. ``--allocator`` adds the level's one-step gradient error with uniform
@@ -65,6 +66,19 @@ _SPEECH = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
            "num_conv_pos_embedding_groups": 4, "num_labels": 3, "vocab_size": 32,
            "hidden_dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
            "feat_proj_dropout": 0.0, "layerdrop": 0.0, "mask_time_prob": 0.0}
+
+
+def _backbone(stages: int) -> t.ResNetConfig:
+    """A small ResNet whose last ``stages`` stages feed a detector."""
+    return t.ResNetConfig(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
+                          out_features=[f"stage{i}" for i in range(5 - stages, 5)])
+
+
+_DETECTION = {"use_timm_backbone": False, "use_pretrained_backbone": False,
+              "backbone_config": _backbone(1), "d_model": 64, "encoder_layers": 1,
+              "decoder_layers": 1, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+              "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "num_queries": 20,
+              "num_labels": 5, "dropout": 0.0}
 
 #: name -> (input kind, a builder of the model)
 ZOO: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
@@ -169,6 +183,14 @@ ZOO: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
                                          out_features=["stage1", "stage2", "stage3",
                                                        "stage4"]),
         hidden_size=32, use_auxiliary_head=False, num_labels=10, pool_scales=[1, 2]))),
+    # object detection: a set loss over matched boxes (scipy's Hungarian matcher)
+    "detr": ("detection", lambda: t.DetrForObjectDetection(t.DetrConfig(**_DETECTION))),
+    # deformable attention samples its values with F.grid_sample (two-stage: transformers
+    # 5.25 cannot tie the box heads of the one-stage configuration)
+    "deformable_detr": ("detection", lambda: t.DeformableDetrForObjectDetection(
+        t.DeformableDetrConfig(**{**_DETECTION, "backbone_config": _backbone(3)},
+                               num_feature_levels=3, with_box_refine=True, two_stage=True,
+                               two_stage_num_proposals=20))),
     "wav2vec2": ("audio", lambda: t.Wav2Vec2ForSequenceClassification(t.Wav2Vec2Config(
         **_SPEECH))),
     # attention through F.multi_head_attention_forward, its gated position bias as the mask
@@ -193,6 +215,11 @@ def loss_of(kind: str, model: torch.nn.Module) -> Callable[[], torch.Tensor]:
         pixels = torch.randn(4, 3, 64, 64, generator=gen)
         noise = torch.rand(4, (64 // 8) ** 2, generator=gen)
         return lambda: model(pixel_values=pixels, noise=noise).loss
+    if kind == "detection":  # three boxes an image
+        pixels = torch.randn(4, 3, 64, 64, generator=gen)
+        boxes = [{"class_labels": torch.randint(0, 5, (3,), generator=gen),
+                  "boxes": torch.rand(3, 4, generator=gen) * 0.5 + 0.25} for _ in range(4)]
+        return lambda: model(pixel_values=pixels, labels=boxes).loss
     values = torch.randn(4, 4000, generator=gen)
     labels = torch.randint(0, 3, (4,), generator=gen)
     return lambda: model(input_values=values, labels=labels).loss

@@ -71,6 +71,11 @@ def ops() -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor
         "cosine_similarity": (ROWS, lambda t: F.cosine_similarity(t, TARGET)),
         "cdist": (ROWS, lambda t: torch.cdist(t[:128], t[128:])),
         "grid_sample": (IMAGES, lambda t: F.grid_sample(t, GRID, align_corners=False)),
+        # (a grid computed from the input, as a spatial transformer's or deformable
+        # attention's offsets are: its gradient reads the input)
+        "grid_sample of a learned grid": (IMAGES, lambda t: F.grid_sample(
+            t, GRID + 0.1 * torch.tanh(F.adaptive_avg_pool2d(t[:, :2], 16).permute(0, 2, 3, 1)),
+            align_corners=False)),
         "pixel_shuffle": (IMAGES, lambda t: F.pixel_shuffle(t, 2).square()),
         "unfold": (IMAGES, lambda t: F.unfold(t, 3, padding=1).square()),
         "interpolate (bilinear)": (IMAGES, lambda t: F.interpolate(

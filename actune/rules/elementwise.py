@@ -1,5 +1,5 @@
 """Elementwise math written inline: products, powers, exp, sqrt, rsqrt, reciprocal, erf, log,
-sin, cos; embeddings and gathers.
+sin, cos; embeddings and gathers; tests of values.
 
 * A product ``a * b`` saves each operand for the other's gradient: linear in each, so they are
   rounded at ``other_bits`` (unbiased). The same holds for ``exp`` (backward ``grad * y``),
@@ -9,7 +9,10 @@ sin, cos; embeddings and gathers.
 * Every other op here has a nonlinear backward in what it saves; it saves its derivative,
   rounded and used linearly, instead (GPT-2's ``x ** 3``, RMSNorm's ``rsqrt``, ...).
 
-Additions, subtractions, negation, concatenation, slices, views and casts save nothing.
+Additions, subtractions, negation, concatenation, slices, views and casts save nothing. Tests
+of values (``isfinite``, ``isclose``) return booleans, which carry no gradient, yet
+PyTorch builds them from differentiable ops (``abs``) whose nodes save their input while the
+test runs: they run without recording.
 """
 
 from __future__ import annotations
@@ -107,6 +110,16 @@ class CompactGather(torch.autograd.Function):
         index = take(ctx, "index").get().long()
         out = torch.zeros(shape, dtype=dtype, device=grad.device)
         return out.scatter_add_(dim, index, grad.to(dtype)), None, None, None
+
+
+@register((torch.isfinite, torch.Tensor.isfinite, torch.isclose, torch.Tensor.isclose),
+          "elementwise", None, "nothing: a boolean result, computed without recording")
+def value_test(s, func, args, kwargs, level):
+    """A test of values (a loss's ``isfinite`` check, a matcher's ``isclose``): its boolean
+    result has no gradient, but ``abs`` inside it saves its input for a backward that never
+    comes (counted as kept, and held until the test returns); run without recording."""
+    with torch.no_grad():
+        return func(*args, **kwargs)
 
 
 @register((torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,

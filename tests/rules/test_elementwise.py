@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import actune
+from actune.rules import RULES
 from tests.rules.helpers import exact_grads, input_grads, level, relative_error, shrinks_like_noise
 
 
@@ -170,3 +171,26 @@ def test_a_divisor_stays_exact_and_a_broadcast_dividend_too():
             y = fn()
         y.sum().backward()
         assert set(st[0].exact) == exact, st[0].exact
+
+
+@pytest.mark.parametrize("test", ["isfinite", "Tensor.isfinite", "isclose"])
+def test_a_test_of_values_keeps_nothing(test, monkeypatch):
+    """``torch.isfinite`` and the like are built from ``abs``, whose node would save its input
+    for a backward that never runs: under compressed() they record nothing."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    y = x * 2  # (an activation, not a leaf)
+    calls = {"isfinite": lambda t: torch.isfinite(t), "Tensor.isfinite": lambda t: t.isfinite(),
+             "isclose": lambda t: torch.isclose(t, t * 1.5)}
+    funcs = {"isfinite": torch.isfinite, "Tensor.isfinite": torch.Tensor.isfinite,
+             "isclose": torch.isclose}
+    stats = []
+    with monkeypatch.context() as without_rule:
+        without_rule.delitem(RULES, funcs[test])
+        with actune.compressed("L3", stats=stats.append):
+            expected = calls[test](y)
+    assert stats[0].saved_bytes > 0  # PyTorch's own ops save the input while they run
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        got = calls[test](y)
+    assert torch.equal(got, expected)
+    assert stats[0].saved_bytes == 0 and stats[0].kept_bytes == 0, stats[0]

@@ -72,3 +72,82 @@ def test_inplace_silu_saves_its_derivative():
     (two,) = input_grads(fn, (x,), level(2), 512)
     assert relative_error(two[0], exact[0]) > 1e-3
     assert shrinks_like_noise(two, exact[0]) < 0.2
+
+
+def _grid_case(dims: int, grid_grad: bool = True):
+    """An input of ``dims`` (4: N, C, H, W; 5: a volume) and a grid reaching past its edges."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 6, 10, 12) if dims == 4 else (2, 4, 6, 7, 8)
+    x = torch.randn(shape, generator=gen).requires_grad_()
+    grid = torch.rand(2, 5, 7, *(() if dims == 4 else (3,)), dims - 2, generator=gen) * 2.4 - 1.2
+    return x, grid.requires_grad_(grid_grad)
+
+
+GRID_CASES = [(4, "bilinear", "zeros", False), (4, "bilinear", "border", True),
+              (4, "bicubic", "reflection", False), (5, "bilinear", "zeros", True),
+              (5, "bilinear", "reflection", False)]
+
+
+@pytest.mark.parametrize(("dims", "mode", "padding", "align"), GRID_CASES)
+def test_grid_sample_keeps_its_grid_exact_and_its_input_rounded_unbiased(dims, mode, padding,
+                                                                         align):
+    x, grid = _grid_case(dims)
+
+    def fn(a, g):  # (activations, not leaves: a leaf that records gradients is a weight)
+        return F.grid_sample(a * 1.0, g * 1.0, mode, padding, align)
+
+    exact_x, exact_grid = exact_grads(fn, (x, grid))
+    stats = []
+    with actune.compressed(level(2), stats=stats.append):
+        fn(x, grid)
+    # the input packed, the grid kept exact under its own name
+    assert stats[0].by_kind.get("grid_sample input", 0) > 0, stats[0].by_kind
+    assert set(stats[0].exact) == {"grid_sample grid"}, stats[0].exact
+    two_x, two_grid = input_grads(fn, (x, grid), level(2), 256)
+    # the input's gradient reads the grid alone: PyTorch's, exactly, at any width
+    assert torch.equal(two_x[0], exact_x[0]) and torch.equal(two_x[-1], exact_x[0])
+    # the grid's is linear in the rounded input: noisy and unbiased
+    assert relative_error(two_grid[0], exact_grid[0]) > 1e-3
+    assert shrinks_like_noise(two_grid, exact_grid[0], small=8, large=256) < 0.25
+    eight_x, eight_grid = input_grads(fn, (x, grid), level(8), 1)
+    assert torch.equal(eight_x[0], exact_x[0])
+    assert relative_error(eight_grid[0], exact_grid[0]) < 0.03
+
+
+@pytest.mark.parametrize("case", ["nearest", "fixed grid"])
+def test_grid_sample_keeps_nothing_of_its_input_where_no_grid_gradient_reads_it(case):
+    x, grid = _grid_case(4, grid_grad=case != "fixed grid")
+    mode = "nearest" if case == "nearest" else "bilinear"
+
+    def fn(a, g):
+        return F.grid_sample(a * 1.0, g * 1.0, mode, "zeros", False)
+
+    inputs = (x, grid) if grid.requires_grad else (x,)
+    call = fn if grid.requires_grad else (lambda a: fn(a, grid))
+    exact = exact_grads(call, inputs)
+    got = input_grads(call, inputs, "L3", 1)
+    for e, g in zip(exact, got, strict=True):
+        assert torch.equal(g[0], e[0])
+    stats = []
+    with actune.compressed(level(2), stats=stats.append):
+        call(*inputs)
+    assert "grid_sample input" not in stats[0].by_kind
+    # what PyTorch keeps (the input, the grid) is counted; only the grid is kept
+    assert stats[0].saved_bytes >= x.numel() * x.element_size()
+    assert stats[0].kept_bytes <= grid.numel() * grid.element_size()
+
+
+def test_grid_sample_under_autocast_returns_the_gradients_in_the_inputs_dtypes():
+    x, grid = _grid_case(4)
+    x16, grid16 = (t.detach().bfloat16().requires_grad_() for t in (x, grid))
+
+    def step(scope) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16), scope:
+            out = F.grid_sample(x16 * 1.0, grid16 * 1.0, align_corners=False)
+        return torch.autograd.grad(out.float().sum(), (x16, grid16))
+
+    gx, ggrid = step(actune.compressed("L0"))
+    got_x, got_grid = step(actune.compressed("u8"))
+    assert got_x.dtype == got_grid.dtype == torch.bfloat16
+    assert torch.equal(got_x, gx)
+    assert 0 < relative_error(got_grid.float(), ggrid.float()) < 0.05
