@@ -3,7 +3,7 @@ window (exact), not int64 input indices and not its input. Average pooling is li
 backward needs only the input's shape, yet PyTorch's keeps the whole input:
 :class:`ShapeOnlyPool` keeps nothing. ``F.grid_sample`` (deformable attention's sampler, a
 spatial transformer's) keeps its grid exact and its input rounded, or nothing of the input
-where no grid gradient reads it (:class:`PackedGridSample`)."""
+where no grid gradient reads it (:mod:`actune.substitutes.grid_sample`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.packing.saved import check_double_backward, plain_saving, take
+from actune.packing.saved import check_double_backward, plain_saving
 from actune.rules.activations import compressible
 from actune.rules.registry import register
 from actune.substitutes.functions import OffsetMaxPool, arg, as_tuple
+from actune.substitutes.grid_sample import PackedGridSample, grid_sample_call
 
 _AVERAGES = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
              F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
@@ -74,65 +75,20 @@ def max_pool(s, func, args, kwargs, level):
     return OffsetMaxPool.apply(x, dims, kernel, stride, padding, dilation, ceil_mode, s)
 
 
-#: ``F.grid_sample``'s modes and padding modes as its backward kernels number them.
-_GRID_MODES = {"bilinear": 0, "nearest": 1, "bicubic": 2}
-_GRID_PADDINGS = {"zeros": 0, "border": 1, "reflection": 2}
-
 
 @register((F.grid_sample,), "pooling", None,
           "the grid exact (which values are read, and their weights, are nonlinear in it); "
           "the input at the level's sensitive bits where the grid's gradient reads it (linear "
           "in it), else nothing (the input's gradient reads the grid alone)")
 def grid_sample(s, func, args, kwargs, level):
-    """``F.grid_sample(x, grid)`` saves ``x`` and ``grid``. Its input gradient scatters the
-    output gradient with weights computed from the grid alone; its grid gradient is linear in
-    ``x`` (the differences of neighbouring values the interpolation reads), so a rounded copy
-    keeps it unbiased. Differences of neighbours are small against a group's range, so the
-    copy takes the level's sensitive width (docs/training.md). Where the grid records no
-    gradient (a fixed warp) or the mode is ``nearest`` (no grid gradient), nothing of ``x``
-    is kept. The grid stays exact (deformable attention's is a fraction of its values)."""
-    x, grid = args[0], arg(args, kwargs, 1, "grid", None)
-    mode = arg(args, kwargs, 2, "mode", "bilinear")
-    padding = arg(args, kwargs, 3, "padding_mode", "zeros")
-    align_corners = arg(args, kwargs, 4, "align_corners", None)
-    if (level.exact or not compressible(x, level) or level.sensitive_width is None
-            or not isinstance(grid, torch.Tensor) or x.dim() not in (4, 5)
-            or mode not in _GRID_MODES or padding not in _GRID_PADDINGS
-            or not isinstance(align_corners, bool | None)):
+    """``F.grid_sample(x, grid)`` saves ``x`` and ``grid``: :class:`PackedGridSample` keeps
+    the grid exact and ``x`` at the level's sensitive width, since the grid's gradient reads
+    differences of neighbouring values, small beside a group's range (docs/training.md); or
+    nothing of ``x`` where the grid records no gradient (a fixed warp) or the mode is
+    ``nearest``."""
+    call = grid_sample_call(args, kwargs)
+    if (call is None or level.exact or level.sensitive_width is None
+            or not compressible(call.x, level)):
         return None
-    s.label.exact_ids = {id(grid): "grid"}  # (saved by the function below: named, exact)
-    return PackedGridSample.apply(x, grid, mode, padding, align_corners,
-                                  level.sensitive_width, s)
-
-
-class PackedGridSample(torch.autograd.Function):
-    """``F.grid_sample`` keeping its grid exact and its input at ``bits``, or nothing of the
-    input where no grid gradient reads it (see :func:`grid_sample`); its backward is
-    PyTorch's kernel."""
-
-    @staticmethod
-    def forward(ctx, x, grid, mode, padding, align_corners, bits, session):
-        reads_input = ctx.needs_input_grad[1] and mode != "nearest"
-        ctx.x = (session.packer.pack_fixed(x, bits, "grid_sample input", replaces=(x,))
-                 if reads_input else None)
-        if not reads_input:
-            session.accounting.count(x)  # (what PyTorch keeps; nothing kept here)
-        ctx.save_for_backward(grid)  # (exact: the label names it)
-        ctx.conf = (mode, padding, bool(align_corners), x.shape, reads_input)
-        return F.grid_sample(x, grid, mode, padding, align_corners)
-
-    @staticmethod
-    def backward(ctx, grad):
-        check_double_backward()
-        (grid,) = ctx.saved_tensors
-        mode, padding, align_corners, shape, reads_input = ctx.conf
-        dtype = grad.dtype  # (the op's own: autocast may have run it wider than its inputs)
-        if reads_input:
-            x = take(ctx, "x").get().to(dtype)
-        else:  # the shape alone: the input's gradient reads no value of it
-            x = torch.zeros((), dtype=dtype, device=grad.device).expand(shape)
-        kernel = (torch.ops.aten.grid_sampler_2d_backward if len(shape) == 4
-                  else torch.ops.aten.grid_sampler_3d_backward)
-        gx, ggrid = kernel(grad, x, grid.to(dtype), _GRID_MODES[mode], _GRID_PADDINGS[padding],
-                           align_corners, [ctx.needs_input_grad[0], ctx.needs_input_grad[1]])
-        return gx, ggrid, None, None, None, None, None
+    s.label.exact_ids = {id(call.grid): "grid"}  # (saved by the function: named, exact)
+    return PackedGridSample.apply(*call, level.sensitive_width, s)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from actune.substitutes.functions import softmax_shift
+from actune.substitutes.grid_sample import grid_sample_backward, reads_input
 from actune.traced.convolutions import pack_bits, unpack_bits
 from actune.traced.pack import (
     in_memory_order,
@@ -42,7 +43,7 @@ from actune.traced.pack import (
 )
 
 __all__ = ["DERIVATIVES", "TWO_SLOPES", "BroadcastProduct", "DerivativeCodes", "GatedProduct",
-           "PackedDerivative", "PackedLinear", "PackedNorm",
+           "PackedDerivative", "PackedGridSample", "PackedLinear", "PackedNorm",
            "PackedProduct", "PackedVectorNorm", "TwoCopyNormalize", "TwoCopySoftmax",
            "TwoSlopes", "carry_copy", "shared_copy", "softmax_sharing_copy"]
 
@@ -131,6 +132,28 @@ class TwoCopyNormalize(torch.autograd.Function):
         inner = (grad * x2).sum(dim, keepdim=True)
         scale = torch.where(n >= eps, inner / d.pow(3), torch.zeros_like(inner))
         return (grad / d - x1 * scale).to(dtype), None, None, None, None
+
+
+class PackedGridSample(torch.autograd.Function):
+    """``torch.grid_sampler`` keeping its grid exact and its input at ``bits`` where the grid's
+    gradient reads it, else nothing of the input (:mod:`actune.substitutes.grid_sample`)."""
+
+    @staticmethod
+    def forward(ctx, x, grid, mode: int, padding: int, align_corners: bool, bits: int,
+                group_size: int):
+        reads = reads_input(mode, ctx.needs_input_grad[1])
+        ctx.meta = (x.shape, x.dtype, mode, padding, align_corners, bits, group_size, reads)
+        ctx.save_for_backward(grid, *(pack(x, bits, group_size) if reads else ()))
+        return torch.grid_sampler(x, grid, mode, padding, align_corners)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, mode, padding, align_corners, bits, group_size, reads = ctx.meta
+        grid, *packed = ctx.saved_tensors
+        x = unpack(tuple(packed), bits, shape, grad.dtype, group_size) if reads else None
+        gx, ggrid = grid_sample_backward(grad, x, shape, grid, mode, padding, align_corners,
+                                         ctx.needs_input_grad[:2])
+        return (None if gx is None else gx.to(dtype)), ggrid, None, None, None, None, None
 
 
 class PackedProduct(torch.autograd.Function):

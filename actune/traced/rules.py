@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from actune.levels import Level
 from actune.packing.codebooks import gelu_codebook
 from actune.substitutes.functions import arg, one_class_per_row, reduced_count
+from actune.substitutes.grid_sample import grid_sample_call
 from actune.substitutes.multihead import decompose
 from actune.traced.attention import PackedAttention, PackedCrossEntropy, RedrawnDropout
 from actune.traced.convolutions import MaskedReLU, PackedBatchNorm, PackedConv
@@ -25,6 +26,7 @@ from actune.traced.functions import (
     DerivativeCodes,
     GatedProduct,
     PackedDerivative,
+    PackedGridSample,
     PackedLinear,
     PackedNorm,
     PackedProduct,
@@ -116,6 +118,15 @@ def _normalize(level, args, kwargs):
             or isinstance(eps, bool) or not isinstance(eps, int | float)):
         return None
     return TwoCopyNormalize.apply(x, dim, float(eps), level.sensitive_width, level.group_size)
+
+
+@_register(F.grid_sample)
+def _grid_sample(level, args, kwargs):
+    call = grid_sample_call(args, kwargs)
+    if (call is None or level.sensitive_width is None
+            or not _activation(call.x, level)):
+        return None
+    return PackedGridSample.apply(*call, level.sensitive_width, level.group_size)
 
 
 @_register(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,

@@ -429,3 +429,41 @@ def test_vector_norms_and_normalize_are_packed_inside_a_compiled_graph():
     assert got[-1].ratio > 8, got[-1].ratio
     for e, c in zip(exact, grads("u8", compiled), strict=True):
         assert (c - e).norm() <= 0.01 * e.norm()
+
+
+def test_a_spatial_transformer_packs_its_sampled_input_inside_a_compiled_graph():
+    """``F.affine_grid`` then ``F.grid_sample`` (a spatial transformer) under compressed() and
+    torch.compile: the traced rule keeps the input rounded and the grid exact (no graph
+    break); at 8 bits the input's gradient is exact's and the transform's within 2%."""
+
+    def warp(x, theta):
+        grid = torch.nn.functional.affine_grid(theta * 1.0, [8, 4, 24, 24], align_corners=False)
+        return torch.nn.functional.grid_sample(x * 1.0, grid, align_corners=False)
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, 24, 24, generator=gen).requires_grad_()
+    theta = (torch.eye(2, 3).expand(8, 2, 3) + 0.1 * torch.randn(8, 2, 3, generator=gen))
+    theta.requires_grad_()
+    g = torch.randn(8, 4, 24, 24, generator=gen)
+    compiled = torch.compile(warp, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+
+    def grads(level, run, stats=None):
+        with actune.compressed(level, stats=stats):
+            out = run(x, theta)
+        return torch.autograd.grad((out * g).sum(), (x, theta))
+
+    exact = grads("L0", warp)
+    got = []
+    for _ in range(2):
+        grads("L3", compiled, got.append)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert got[-1].by_kind["compiled"] > 0, got[-1].by_kind
+    # the input (72 KiB) at 4 bits, the grid (36 KiB) exact: PyTorch's graph keeps both
+    assert got[-1].saved_bytes == (8 * 4 + 8 * 2) * 24 * 24 * 4
+    assert sum(got[-1].exact.values()) == 8 * 24 * 24 * 2 * 4, got[-1].exact
+    assert got[-1].by_kind["compiled"] <= x.numel() * 4 / 7, got[-1].by_kind
+    gx, gtheta = grads("u8", compiled)
+    assert torch.equal(gx, exact[0])
+    assert 0 < (gtheta - exact[1]).norm() <= 0.02 * exact[1].norm()

@@ -137,6 +137,13 @@ def _case(name):
         return (lambda x: torch.linalg.vector_norm(x, dim=-1)), (r(16, 64),)
     if name == "normalize":
         return (lambda x: F.normalize(x, dim=-1)), (r(16, 64),)
+    if name == "grid_sample":  # (a grid mostly inside the input: -1 to 1)
+        return (lambda x, g: F.grid_sample(x, g * 0.5, align_corners=False)), \
+            (r(2, 4, 10, 12), r(2, 5, 7, 2))
+    if name == "grid_sample_3d":
+        return (lambda x, g: F.grid_sample(x, g * 0.5, padding_mode="border",
+                                           align_corners=True)), \
+            (r(2, 3, 5, 6, 7), r(2, 4, 5, 3, 3))
     raise KeyError(name)
 
 
@@ -156,7 +163,7 @@ CASES = ("linear", "addmm", "product", "gelu", "gelu_tanh", "silu", "hardswish",
          "cross_entropy_pixels", "conv",
          "conv_channels_last", "relu", "relu_channels_last", "relu_inplace", "relu_",
          "batch_norm", "batch_norm_channels_last", "vector_norm", "vector_norm_rows",
-         "normalize")
+         "normalize", "grid_sample", "grid_sample_3d")
 
 
 @pytest.mark.parametrize("name", CASES)
