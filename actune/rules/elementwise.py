@@ -1,11 +1,14 @@
 """Elementwise math written inline: products, powers, exp, sqrt, rsqrt, reciprocal, erf, log,
-sin, cos; embeddings and gathers; tests of values.
+sin, cos; embeddings, gathers and selections; tests of values.
 
 * A product ``a * b`` saves each operand for the other's gradient: linear in each, so they are
   rounded at ``other_bits`` (unbiased). The same holds for ``exp`` (backward ``grad * y``),
   ``x ** 2`` and ``square`` (backward ``2 * grad * x``). An embedding saves its indices: kept
   exact, in the narrowest integer type its table's rows need. So does ``gather``, whose
-  backward reads no value of its input (PyTorch keeps the input too).
+  backward reads no value of its input (PyTorch keeps the input too), and so do the ops that
+  select values along a dimension and return their indices (``topk``, ``sort``, ``max`` and
+  ``min`` along a dim, ``kthvalue``, ``median``, ``mode``, ``cummax``, ``cummin``): backward
+  scatters the gradient by the indices, which PyTorch keeps in int64.
 * Every other op here has a nonlinear backward in what it saves; it saves its derivative,
   rounded and used linearly, instead (GPT-2's ``x ** 3``, RMSNorm's ``rsqrt``, ...).
 
@@ -25,6 +28,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from actune.packing.saved import check_double_backward, take
 from actune.rules.activations import compressible
+from actune.rules.masks import MaskedExtremum, select_of_two
 from actune.rules.registry import register
 from actune.substitutes.functions import SavedDerivative, arg, index_dtype
 
@@ -110,6 +114,87 @@ class CompactGather(torch.autograd.Function):
         index = take(ctx, "index").get().long()
         out = torch.zeros(shape, dtype=dtype, device=grad.device)
         return out.scatter_add_(dim, index, grad.to(dtype)), None, None, None
+
+
+#: function name -> (position, default) of the dimension a selection runs along, and of its
+#: ``keepdim`` (None: the values keep the dimension: ``topk``, ``sort``, the running ones).
+_SELECTIONS = {"topk": ((2, -1), None), "sort": ((1, -1), None), "kthvalue": ((2, -1), (3, False)),
+               "median": ((1, None), (2, False)), "mode": ((1, -1), (2, False)),
+               "max": ((1, None), (2, False)), "min": ((1, None), (2, False)),
+               "cummax": ((1, None), None), "cummin": ((1, None), None)}
+
+
+def selection_dim(func, args, kwargs) -> tuple[int, bool] | None:
+    """The dimension a selection call runs along and whether its values keep it, or None
+    where the call is another form (``max(x)``, ``max(x, other)``, ``median(x)``)."""
+    (at, default), keep = _SELECTIONS[func.__name__]
+    dim = arg(args, kwargs, at, "dim", default)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        return None
+    if keep is None:
+        return dim, True
+    keepdim = arg(args, kwargs, keep[0], "keepdim", keep[1])
+    return (dim, keepdim) if isinstance(keepdim, bool) else None
+
+
+@register(tuple(f for name in _SELECTIONS for f in (getattr(torch, name),
+                                                     getattr(torch.Tensor, name))),
+          "elementwise", None,
+          "along a dim: the indices exact, in the narrowest integer type the dimension needs "
+          "(the values' gradient scattered by them); other forms exact")
+def selection(s, func, args, kwargs, level):
+    """``torch.topk``, ``sort``, ``max(x, dim)``... return values and int64 indices, and keep
+    the indices (``cummax`` the input too) for a backward that scatters the values' gradient
+    by them. Kept: the indices in uint8 up to 256 positions along the dim, int16 up to
+    32,768, else int32 (the dim's size bounds them). ``max(x, other)`` and ``min(x, other)``
+    run as ``maximum`` and ``minimum`` (:mod:`actune.rules.masks`)."""
+    x = args[0]
+    if func.__name__ in ("max", "min") and isinstance(arg(args, kwargs, 1, "other", None),
+                                                      torch.Tensor):
+        return select_of_two(s, torch.maximum if func.__name__ == "max" else torch.minimum,
+                             args, kwargs, level)
+    found = selection_dim(func, args, kwargs)
+    if found is None and func.__name__ in ("max", "min") and len(args) == 1 and not kwargs:
+        # over every element: a mask of where the input equals the result
+        if (level.masks and isinstance(x, torch.Tensor) and x.is_floating_point()
+                and x.dim() > 0 and x.numel() >= level.min_numel):
+            return MaskedExtremum.apply(x, func.__name__ == "max", tuple(range(x.dim())),
+                                        False, True, s)
+        return None
+    if (found is None or not isinstance(x, torch.Tensor) or x.dim() == 0
+            or "out" in kwargs or x.numel() < level.min_numel):
+        return None
+    dim, keepdim = found
+    values, indices = CompactSelection.apply(x, func, args[1:], kwargs, dim % x.dim(), keepdim,
+                                             s)
+    return getattr(torch.return_types, func.__name__)((values, indices))
+
+
+class CompactSelection(torch.autograd.Function):
+    """A selection along ``dim`` keeping only its indices, in the narrowest integer type (see
+    :func:`selection`); backward scatters the values' gradient by them, as PyTorch's does."""
+
+    @staticmethod
+    def forward(ctx, x, func, rest, kwargs, dim, keepdim, session):
+        values, indices = func(x, *rest, **kwargs)
+        ctx.mark_non_differentiable(indices)
+        # (a running maximum's backward reads its input too, for its shape)
+        replaces = (indices, x) if func.__name__.startswith("cum") else (indices,)
+        ctx.indices = session.packer.pack_small_ints(indices, "selection indices", replaces,
+                                                     index_dtype(x.shape[dim]))
+        ctx.conf = (dim, keepdim, x.shape, x.dtype)
+        return values, indices
+
+    @staticmethod
+    def backward(ctx, grad, _grad_indices):
+        check_double_backward()
+        dim, keepdim, shape, dtype = ctx.conf
+        indices = take(ctx, "indices").get().long()
+        if not keepdim:
+            grad, indices = grad.unsqueeze(dim), indices.unsqueeze(dim)
+        out = torch.zeros(shape, dtype=dtype, device=grad.device)
+        # (scatter_add: a running maximum repeats its index; the others' are distinct)
+        return out.scatter_add_(dim, indices, grad.to(dtype)), None, None, None, None, None, None
 
 
 @register((torch.isfinite, torch.Tensor.isfinite, torch.isclose, torch.Tensor.isclose),

@@ -1,8 +1,11 @@
 """Masks: ReLU, ReLU6, hardtanh, leaky ReLU, hardsigmoid, hardshrink, softshrink, threshold,
-PReLU, clamp with constant bounds, dropout.
+PReLU, clamp with constant bounds, dropout; the maximum and minimum of two tensors, and over
+dimensions (``amax``, ``amin``, ``max(x)``, ``min(x)``).
 
 Their backward needs only which of two slopes holds where (or the dropout mask): a 1-bit mask,
-exact. PReLU's weight gradient also reads its negative inputs, linearly: rounded. At
+exact (the maximum of two tensors: where each loses and where they tie; a maximum over
+dimensions, ``amax``: where the input equals it). PReLU's
+weight gradient also reads its negative inputs, linearly: rounded. At
 a level with 2 bits or more, ReLU instead packs its output once with code 0 kept for exact
 zeros: that one copy serves the next layer's saved input and this backward's mask. A small
 ReLU (under ``tunables.LEAN_NUMEL`` elements) without an allocator runs as PyTorch's own, its saved
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from actune import tunables
+from actune.packing.saved import check_double_backward, take
 from actune.rules.pointwise import derivative_rule
 from actune.rules.registry import register
 from actune.substitutes.functions import (
@@ -195,3 +199,95 @@ def dropout(s, func, args, kwargs, level):
     if 0.0 < p < 1.0:
         return MaskedDropout.apply(x, p, inplace, s)
     return None
+
+
+@register((torch.maximum, torch.Tensor.maximum, torch.minimum, torch.Tensor.minimum), "mask",
+          None, "three 1-bit masks: where each operand loses, and where they tie (PyTorch "
+          "halves the gradient there; a NaN passes it to both)")
+def select_of_two(s, func, args, kwargs, level):
+    """``torch.maximum(a, b)`` keeps both operands for a backward that reads only which one
+    was selected. Kept: where ``a`` loses, where ``b`` loses and where they are equal, 1 bit
+    each (none of them: a NaN, whose gradient PyTorch passes to both)."""
+    a, b = args[0], arg(args, kwargs, 1, "other", None)
+    if (not level.masks or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor)
+            or not a.is_floating_point() or a.dtype != b.dtype or "out" in kwargs
+            or max(a.numel(), b.numel()) < level.min_numel):
+        return None
+    return MaskedSelectionOfTwo.apply(a, b, func.__name__ == "maximum", s)
+
+
+class MaskedSelectionOfTwo(torch.autograd.Function):
+    """``maximum`` or ``minimum`` of two tensors keeping three 1-bit masks (see
+    :func:`select_of_two`); its backward is PyTorch's formula on them."""
+
+    @staticmethod
+    def forward(ctx, a, b, maximum, session):
+        below, above = a < b, a > b
+        pack = session.packer.pack_bool
+        ctx.a_loses = pack(below if maximum else above, "mask", (a, b))
+        ctx.b_loses = pack(above if maximum else below, "mask")
+        ctx.tie = pack(a == b, "mask")
+        ctx.shapes = (a.shape, b.shape)
+        return torch.maximum(a, b) if maximum else torch.minimum(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        shared = torch.where(take(ctx, "tie").get(), grad / 2, grad)
+        a_loses, b_loses = take(ctx, "a_loses").get(), take(ctx, "b_loses").get()
+        a_shape, b_shape = ctx.shapes
+        ga = shared.masked_fill(a_loses, 0).sum_to_size(a_shape) if ctx.needs_input_grad[0] \
+            else None
+        gb = shared.masked_fill(b_loses, 0).sum_to_size(b_shape) if ctx.needs_input_grad[1] \
+            else None
+        return ga, gb, None, None
+
+
+@register((torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin), "mask", None,
+          "a 1-bit mask of where the input equals the result (backward shares the gradient "
+          "among them)")
+def extremum(s, func, args, kwargs, level):
+    """``x.amax(dims)`` keeps its input and result for a backward that reads only where they
+    are equal (the gradient shared among the ties). Kept: that mask, 1 bit an element. Also
+    ``max(x)`` and ``min(x)`` over every element (:func:`actune.rules.elementwise.selection`),
+    whose backward treats a NaN result as equal to the NaNs."""
+    x = args[0]
+    dim = arg(args, kwargs, 1, "dim", ())
+    keepdim = arg(args, kwargs, 2, "keepdim", False)
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        dim = (dim,)
+    if (not level.masks or not isinstance(x, torch.Tensor) or not x.is_floating_point()
+            or x.numel() < level.min_numel or not isinstance(dim, tuple | list)
+            or not isinstance(keepdim, bool) or "out" in kwargs or x.dim() == 0):
+        return None
+    dims = tuple(d % x.dim() for d in dim) or tuple(range(x.dim()))
+    return MaskedExtremum.apply(x, "amax" in func.__name__, dims, keepdim, False, s)
+
+
+class MaskedExtremum(torch.autograd.Function):
+    """A maximum or minimum over ``dims`` keeping a 1-bit mask of where the input equals it
+    (and, ``nan_ties``, of the NaNs where it is NaN, as ``max(x)``'s backward reads them):
+    backward ``mask * grad / count`` (the ties share the gradient), as PyTorch's."""
+
+    @staticmethod
+    def forward(ctx, x, maximum, dims, keepdim, nan_ties, session):
+        out = (torch.amax if maximum else torch.amin)(x, dims, keepdim=keepdim)
+        kept = out if keepdim else out.reshape([1 if d in dims else n
+                                                for d, n in enumerate(x.shape)])
+        mask = x == kept
+        if nan_ties:
+            mask |= x.isnan() & kept.isnan()
+        ctx.mask = session.packer.pack_bool(mask, "mask", (x, out))
+        ctx.conf = (dims, keepdim, x.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        dims, keepdim, dtype = ctx.conf
+        mask = take(ctx, "mask").get()
+        if not keepdim:
+            for d in sorted(dims):
+                grad = grad.unsqueeze(d)
+        count = mask.sum(dims, keepdim=True)
+        return (grad / count).to(dtype) * mask, None, None, None, None, None

@@ -194,3 +194,52 @@ def test_a_test_of_values_keeps_nothing(test, monkeypatch):
         got = calls[test](y)
     assert torch.equal(got, expected)
     assert stats[0].saved_bytes == 0 and stats[0].kept_bytes == 0, stats[0]
+
+
+SELECTIONS = {
+    "topk": lambda t: torch.topk(t, 5, dim=-1),
+    "topk smallest, method": lambda t: t.topk(5, 0, largest=False),
+    "sort": lambda t: torch.sort(t, dim=0, descending=True),
+    "sort stable": lambda t: torch.sort(t, stable=True, dim=-1),
+    "max along a dim": lambda t: torch.max(t, 1),
+    "max keepdim, method": lambda t: t.max(dim=0, keepdim=True),
+    "min along a dim": lambda t: torch.min(t, dim=-1),
+    "kthvalue": lambda t: torch.kthvalue(t, 3, 1),
+    "median along a dim": lambda t: torch.median(t, dim=1),
+    "mode": lambda t: torch.mode(t.round(), dim=1),
+    "cummax": lambda t: torch.cummax(t, dim=1),
+    "cummin, method": lambda t: t.cummin(0),
+}
+
+
+@pytest.mark.parametrize("name", list(SELECTIONS))
+def test_a_selection_keeps_its_indices_in_the_narrowest_integers(name):
+    """topk, sort, max along a dim...: PyTorch keeps int64 indices (and cummax its input);
+    the rule keeps the indices in one byte for 100 positions, and the values' gradient is
+    PyTorch's exactly."""
+    fn = SELECTIONS[name]
+    x = torch.randn(64, 100, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    expected = fn(x * 1.0)
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        got = fn(x * 1.0)
+    assert type(got) is type(expected) and torch.equal(got.indices, expected.indices)
+    assert torch.equal(got.values, expected.values)
+    assert stats[0].exact == {} and set(stats[0].by_kind) == {"selection indices"}
+    assert stats[0].kept_bytes == expected.indices.numel()  # (uint8: 100 positions)
+    g = torch.randn(expected.values.shape, generator=torch.Generator().manual_seed(1))
+    (exact,) = torch.autograd.grad(expected.values, x, g)
+    (found,) = torch.autograd.grad(got.values, x, g)
+    assert torch.equal(found, exact)
+
+
+def test_a_sort_over_more_than_256_positions_keeps_two_byte_indices():
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        values = torch.sort(x * 1.0, dim=1).values
+    assert stats[0].kept_bytes == 2 * x.numel()
+    g = torch.randn(values.shape, generator=torch.Generator().manual_seed(1))
+    (found,) = torch.autograd.grad(values, x, g)
+    (exact,) = torch.autograd.grad(torch.sort(x * 1.0, dim=1).values, x, g)
+    assert torch.equal(found, exact)

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+import actune
 from tests.rules.helpers import DTYPES, check_rule
 
 OPS = {
@@ -133,3 +134,64 @@ def test_prelu_keeps_a_mask_and_its_negative_inputs_rounded(channels):
     # unbiased: the mean of 256 draws within 5 standard errors of the exact gradient
     z = (w2.mean(0) - gw[0]).abs() / (w2.std(0) / 16)
     assert z.max().item() < 5, z
+
+
+def _with_ties_and_nans(shape, seed):
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).mul(2).round()
+    t[0, :3] = float("nan")  # (PyTorch passes a NaN's gradient through)
+    return t.requires_grad_()
+
+
+TWO = {
+    "maximum": lambda a, b: torch.maximum(a, b),
+    "minimum, method": lambda a, b: a.minimum(b),
+    "max of two": lambda a, b: torch.max(a, b),
+    "min of two, broadcast": lambda a, b: torch.min(a, b[:1]),
+}
+
+
+@pytest.mark.parametrize("name", list(TWO))
+def test_the_maximum_of_two_tensors_keeps_three_bit_masks_and_pytorchs_gradient(name):
+    """Ties (integers) split the gradient, NaNs pass it to both, a broadcast operand sums it:
+    PyTorch's gradient exactly, from three 1-bit masks in place of both operands."""
+    fn = TWO[name]
+    a, b = _with_ties_and_nans((64, 100), 0), _with_ties_and_nans((64, 100), 1)
+    g = torch.randn(64, 100, generator=torch.Generator().manual_seed(2))
+    exact = torch.autograd.grad(fn(a * 1.0, b * 1.0), (a, b), g)
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        out = fn(a * 1.0, b * 1.0)
+    found = torch.autograd.grad(out, (a, b), g)
+    for e, f in zip(exact, found, strict=True):
+        assert torch.equal(e, f)
+    assert stats[0].exact == {} and set(stats[0].by_kind) == {"mask"}, stats[0]
+    assert stats[0].kept_bytes == 3 * 64 * 100 // 8
+
+
+EXTREMA = {
+    "amax, keepdim": lambda t: torch.amax(t, -1, keepdim=True),
+    "amax of all": lambda t: t.amax((0, 1)),
+    "amin along a dim": lambda t: t.amin(dim=0),
+    "max of all": lambda t: torch.max(t),
+    "min of all, method": lambda t: t.min(),
+}
+
+
+@pytest.mark.parametrize("name", list(EXTREMA))
+@pytest.mark.parametrize("nan", [False, True])
+def test_a_maximum_over_dimensions_keeps_a_mask_of_where_it_is_reached(name, nan):
+    fn = EXTREMA[name]
+    x = torch.randn(64, 100, generator=torch.Generator().manual_seed(0)).mul(2).round()
+    if nan:  # (max(x) of a NaN: PyTorch's backward reads the NaNs as its ties)
+        x[5, 7] = x[9, 9] = float("nan")
+    x.requires_grad_()
+    expected = fn(x * 1.0)
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        got = fn(x * 1.0)
+    assert torch.equal(got, expected) or (nan and torch.allclose(got, expected, equal_nan=True))
+    assert stats[0].exact == {} and set(stats[0].by_kind) == {"mask"}, stats[0]
+    g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    (exact,) = torch.autograd.grad(expected, x, g)
+    (found,) = torch.autograd.grad(got, x, g)
+    assert torch.allclose(found, exact, rtol=0, atol=0, equal_nan=True)
