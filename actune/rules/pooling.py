@@ -1,8 +1,9 @@
-"""Pooling and sampling: max pooling keeps each output's argmax as a one-byte offset in its
-window (exact), not int64 input indices and not its input. Average pooling is linear and its
-backward needs only the input's shape, yet PyTorch's keeps the whole input:
-:class:`ShapeOnlyPool` keeps nothing. ``F.grid_sample`` (deformable attention's sampler, a
-spatial transformer's) keeps its grid exact and its input rounded, or nothing of the input
+"""Pooling and sampling: max pooling keeps each output's argmax as a one-byte offset in its window
+(exact), not int64 input indices and not its input; adaptive max pooling, whose windows vary,
+its argmax's index in the input's plane, in the narrowest integers the plane needs. Average
+pooling is linear and its backward needs only the input's shape, yet PyTorch's keeps the whole
+input: :class:`ShapeOnlyPool` keeps nothing. ``F.grid_sample`` (deformable attention's sampler,
+a spatial transformer's) keeps its grid exact and its input rounded, or nothing of the input
 where no grid gradient reads it (:mod:`actune.substitutes.grid_sample`)."""
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from actune.packing.saved import check_double_backward, plain_saving
+from actune.packing.saved import check_double_backward, plain_saving, take
 from actune.rules.activations import compressible
 from actune.rules.registry import register
-from actune.substitutes.functions import OffsetMaxPool, arg, as_tuple
+from actune.substitutes.functions import OffsetMaxPool, arg, as_tuple, index_dtype
 from actune.substitutes.grid_sample import PackedGridSample, grid_sample_call
 
 _AVERAGES = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
@@ -74,6 +75,51 @@ def max_pool(s, func, args, kwargs, level):
         return None
     return OffsetMaxPool.apply(x, dims, kernel, stride, padding, dilation, ceil_mode, s)
 
+
+
+_ADAPTIVE_MAX_DIMS = {F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2,
+                      F.adaptive_max_pool3d: 3}
+
+
+@register(tuple(_ADAPTIVE_MAX_DIMS), "pooling", None,
+          "each argmax's index in its plane, in the narrowest integer type the plane needs "
+          "(exact); nothing of the input")
+def adaptive_max_pool(s, func, args, kwargs, level):
+    """Adaptive max pooling keeps its input and int64 indices for a backward that reads only
+    the indices (each output's argmax in its input plane). Kept: those indices in uint8 up
+    to 256 positions a plane, int16 up to 32,768, else int32."""
+    x = args[0]
+    dims = _ADAPTIVE_MAX_DIMS[func]
+    output_size = arg(args, kwargs, 1, "output_size", None)
+    if (arg(args, kwargs, 2, "return_indices", False) or not isinstance(x, torch.Tensor)
+            or x.dim() not in (dims + 1, dims + 2) or not x.is_floating_point()
+            or x.numel() < level.min_numel or output_size is None):
+        return None
+    return CompactAdaptiveMaxPool.apply(x, func, output_size, dims, s)
+
+
+class CompactAdaptiveMaxPool(torch.autograd.Function):
+    """Adaptive max pooling keeping its argmax indices in the narrowest integer type (see
+    :func:`adaptive_max_pool`); backward scatters the gradient by them, as PyTorch's does."""
+
+    @staticmethod
+    def forward(ctx, x, func, output_size, dims, session):
+        out, indices = func(x, output_size, return_indices=True)
+        ctx.indices = session.packer.pack_small_ints(
+            indices, "maxpool", replaces=(x, indices),
+            dtype=index_dtype(math.prod(x.shape[-dims:])))
+        ctx.conf = (x.shape, x.dtype, dims)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        check_double_backward()
+        shape, dtype, dims = ctx.conf
+        indices = take(ctx, "indices").get().long()
+        planes = shape[:-dims]
+        out = torch.zeros((*planes, math.prod(shape[-dims:])), dtype=dtype, device=grad.device)
+        out.scatter_add_(-1, indices.reshape(*planes, -1), grad.to(dtype).reshape(*planes, -1))
+        return out.reshape(shape), None, None, None, None
 
 
 @register((F.grid_sample,), "pooling", None,

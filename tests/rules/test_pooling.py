@@ -151,3 +151,33 @@ def test_grid_sample_under_autocast_returns_the_gradients_in_the_inputs_dtypes()
     assert got_x.dtype == got_grid.dtype == torch.bfloat16
     assert torch.equal(got_x, gx)
     assert 0 < relative_error(got_grid.float(), ggrid.float()) < 0.05
+
+
+ADAPTIVE_MAX = {
+    "2d": (lambda t: F.adaptive_max_pool2d(t, (3, 5)), 1),
+    "2d unbatched": (lambda t: F.adaptive_max_pool2d(t[0], 4), 1),
+    "1d": (lambda t: F.adaptive_max_pool1d(t.flatten(2), 7), 1),
+    "3d (a volume of 1,152)": (lambda t: F.adaptive_max_pool3d(t[:, None], 2), 2),
+    "ties": (lambda t: F.adaptive_max_pool2d(t.round(), (5, 5)), 1),
+    "a plane of 400": (lambda t: F.adaptive_max_pool2d(F.pad(t, (4, 4, 4, 4)), 3), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(ADAPTIVE_MAX))
+def test_adaptive_max_pooling_keeps_its_indices_in_the_narrowest_integers(name):
+    """PyTorch keeps the input and int64 indices; the rule keeps the indices alone (one byte
+    for a plane of up to 256 positions, two beyond), and the gradient is PyTorch's exactly."""
+    pool, nbytes = ADAPTIVE_MAX[name]
+
+    def fn(t):
+        return pool(t * 1.0)
+
+    x = torch.randn(4, 8, 12, 12, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    (exact,) = exact_grads(fn, (x,))
+    (got,) = input_grads(fn, (x,), "L3", 1)
+    assert torch.equal(got[0], exact[0])
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        out = fn(x)
+    assert stats[0].exact == {} and set(stats[0].by_kind) == {"maxpool"}, stats[0]
+    assert stats[0].kept_bytes == nbytes * out.numel()
