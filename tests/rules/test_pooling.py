@@ -181,3 +181,24 @@ def test_adaptive_max_pooling_keeps_its_indices_in_the_narrowest_integers(name):
         out = fn(x)
     assert stats[0].exact == {} and set(stats[0].by_kind) == {"maxpool"}, stats[0]
     assert stats[0].kept_bytes == nbytes * out.numel()
+
+
+def test_the_spatial_transformer_example_keeps_only_its_sampling_grid_exact():
+    """docs/examples/spatial_transformer.py (grid sampling, adaptive max pooling, topk and a
+    maximum in a user's own forward): at L3 only the sampling grid stays exact."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "examples" / "spatial_transformer.py"
+    spec = importlib.util.spec_from_file_location("spatial_transformer", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    model = example.build_model()
+    x, y = example.make_batch(16)
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    assert set(stats[0].exact) == {"grid_sample grid"}, stats[0].exact
+    assert stats[0].ratio > 10, stats[0].ratio
