@@ -72,6 +72,9 @@ def ops() -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor
         "division by an activation": (ROWS, lambda t: t / (t.abs() + 1)),
         "division by a row's statistic": (ROWS, lambda t: t / t.square().sum(-1, keepdim=True)),
         "cosine_similarity": (ROWS, lambda t: F.cosine_similarity(t, TARGET)),
+        # (a contrastive loss's similarity matrix: every row against every row, broadcast)
+        "cosine_similarity matrix": (ROWS[:128], lambda t: F.cosine_similarity(
+            t[:, None], t[None], dim=-1)),
         "cdist": (ROWS, lambda t: torch.cdist(t[:128], t[128:])),
         "grid_sample": (IMAGES, lambda t: F.grid_sample(t, GRID, align_corners=False)),
         # (a grid computed from the input, as a spatial transformer's or deformable

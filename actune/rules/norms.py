@@ -1,4 +1,5 @@
-"""Norms: batch, layer, group, instance and RMS norm; vector 2-norms and ``F.normalize``.
+"""Norms: batch, layer, group, instance and RMS norm; vector 2-norms, ``F.normalize`` and
+``F.cosine_similarity``.
 
 Their backward reads the saved input linearly once the statistics (mean, rstd) are fixed, and
 the statistics nonlinearly: only the tensor of the input's shape is rounded (``other_bits``);
@@ -11,7 +12,8 @@ optionally writing over a convolution's output that nothing else reads).
 The bias this leaves is of order (rounding variance) / (elements reduced over): invisible at
 the sizes of real layers (docs/training.md). A vector 2-norm reads its input linearly too
 once its result is fixed; ``F.normalize`` reads it twice (``x <g, x>``), so it keeps two
-independently rounded copies.
+independently rounded copies. A cosine similarity is the sum of two normalised inputs'
+product, taken as that before its inputs are broadcast against each other.
 """
 
 from __future__ import annotations
@@ -300,6 +302,33 @@ def normalize(s, func, args, kwargs, level):
         return None
     return NormalizeTwoCopies.apply(x, dim if isinstance(dim, int) else tuple(dim), float(eps),
                                     level.sensitive_width, s)
+
+
+@register((F.cosine_similarity, torch.cosine_similarity), "norm", None,
+          "each input normalised before broadcasting (the normalize rule), their product's "
+          "operands rounded (the product rule); PyTorch keeps tensors of the broadcast shape")
+def cosine_similarity(s, func, args, kwargs, level):
+    """``F.cosine_similarity(x1, x2, dim)`` is PyTorch's composite of norms, divisions and a
+    product over its inputs broadcast against each other: a contrastive loss's similarity
+    matrix (``x[:, None]`` against ``x[None]``) keeps several tensors of batch x batch x
+    features, all exact. It runs as ``(normalize(x1) * normalize(x2)).sum(dim)`` through the
+    routing, each input normalised at its own shape (the same values, to the bit, where the
+    inputs are not broadcast along ``dim``), so what is kept is the inputs' size, rounded."""
+    x1, x2 = args[0], arg(args, kwargs, 1, "x2", None)
+    dim, eps = arg(args, kwargs, 2, "dim", 1), arg(args, kwargs, 3, "eps", 1e-8)
+    if (not isinstance(x1, torch.Tensor) or not isinstance(x2, torch.Tensor)
+            or not x1.is_floating_point() or x1.dtype != x2.dtype or x1.dim() != x2.dim()
+            or x1.dim() == 0 or isinstance(dim, bool) or not isinstance(dim, int)
+            or isinstance(eps, bool) or not isinstance(eps, int | float)
+            or x1.shape[dim] != x2.shape[dim]  # (broadcast along dim: PyTorch's own)
+            or max(x1.numel(), x2.numel()) < level.min_numel or level.other_bits is None):
+        return None
+    with s.routing():  # (the norms routed, as a model's own would be)
+        u1, u2 = F.normalize(x1, 2.0, dim, eps), F.normalize(x2, 2.0, dim, eps)
+    # unit vectors' product: at the level's sensitive width, as normalize's copies (their
+    # noise is large beside the small differences between unit vectors that the gradient of
+    # a similarity read by a sharp softmax, a contrastive loss's, is made of)
+    return s.run_as("sensitive", torch.mul, (u1, u2), {}).sum(dim)
 
 
 class NormalizeTwoCopies(torch.autograd.Function):

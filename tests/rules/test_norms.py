@@ -259,3 +259,50 @@ def test_under_autocast_a_norms_copy_serves_the_matmuls_cast_copies_of_its_outpu
     assert stats.packed == 1, stats  # x_hat alone: the three cast copies rebuilt from it
     assert stats.kept_bytes < stats.saved_bytes / 8
     assert relative_error(rounded, exact) < 0.25  # (layer norm: 0.70 before, 0.15 now)
+
+
+def _similarity_inputs():
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(48, 32, generator=gen).requires_grad_()
+    w = torch.randn(48, 32, generator=gen).requires_grad_()
+    return z, w
+
+
+SIMILARITIES = {
+    # a contrastive loss's similarity matrix: every row against every row, broadcast
+    "matrix": lambda z, w: F.cosine_similarity(z[:, None] * 1.0, w[None] * 1.0, dim=-1),
+    "rows": lambda z, w: torch.cosine_similarity(z * 1.0, w * 1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(SIMILARITIES))
+def test_a_cosine_similarity_keeps_its_inputs_size_not_the_broadcast_one(name):
+    fn = SIMILARITIES[name]
+    z, w = _similarity_inputs()
+    expected = fn(z, w)
+    plain, stats = [], []
+    with actune.compressed("L0", stats=plain.append):
+        fn(z, w)
+    with actune.compressed("L3", stats=stats.append):
+        got = fn(z, w)
+    assert torch.equal(got, expected)  # (normalised before broadcasting: the same values)
+    assert stats[0].exact == {} and stats[0].by_kind.get("sensitive", 0) > 0, stats[0]
+    # PyTorch's composite keeps tensors of the broadcast shape, exact
+    assert plain[0].saved_bytes > (40 if name == "matrix" else 4) * stats[0].kept_bytes
+    exact = exact_grads(fn, (z, w))
+    two = input_grads(fn, (z, w), level(2), 256)
+    eight = input_grads(fn, (z, w), level(8), 1)
+    for e, t, g in zip(exact, two, eight, strict=True):
+        assert relative_error(g[0], e[0]) < 0.03
+        assert relative_error(t[0], e[0]) > 1e-3
+        assert shrinks_like_noise(t, e[0], small=8, large=256) < 0.25
+
+
+def test_a_cosine_similarity_broadcast_along_its_dim_runs_as_pytorchs():
+    z = torch.randn(16, 1, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        got = F.cosine_similarity(z * 1.0, w * 1.0, dim=1)
+    assert torch.equal(got, F.cosine_similarity(z, w, dim=1))
+    assert "cosine_similarity" in stats[0].exact
