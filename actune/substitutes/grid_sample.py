@@ -26,6 +26,9 @@ _NEAREST = _MODES["nearest"]
 
 
 class GridSampleCall(NamedTuple):
+    """An ``F.grid_sample`` call's arguments, its mode and padding as PyTorch's kernels number
+    them (what :class:`PackedGridSample` and the traced form take, in this order)."""
+
     x: torch.Tensor
     grid: torch.Tensor
     mode: int
