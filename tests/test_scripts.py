@@ -132,3 +132,10 @@ def test_host_overhead_times_the_floor_with_the_kernels_stubbed_or_real():
     assert not out.any() and not columns.any()
     assert all(getattr(module, name) is kernel
                for (module, name), kernel in zip(entry_points, originals, strict=True))
+
+
+def test_swin_digits_prints_a_curve_per_level_and_seed():
+    done = _run(["benchmarks/swin_digits.py", "--levels", "L3", "--seeds", "0", "--epochs", "1"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "L3 seed 0: test accuracy by epoch" in done.stdout
+    assert "L3: mean final accuracy" in done.stdout

@@ -304,6 +304,19 @@ def normalize(s, func, args, kwargs, level):
                                     level.sensitive_width, s)
 
 
+#: The attribute :class:`NormalizeTwoCopies` sets on its output: a tensor of unit vectors.
+_UNIT = "_actune_unit_vectors"
+
+
+def unit_vectors(t: torch.Tensor) -> bool:
+    """Is ``t`` (or the tensor it is a view of: a transposed key) ``F.normalize``'s output?
+    A product of two such tensors (cosine attention's scores, a contrastive loss's
+    similarities) reads its operands' rounding noise against the small differences between
+    unit vectors: the routing gives it the level's sensitive width."""
+    base = t._base
+    return getattr(t if base is None else base, _UNIT, False)
+
+
 @register((F.cosine_similarity, torch.cosine_similarity), "norm", None,
           "each input normalised before broadcasting (the normalize rule), their product's "
           "operands rounded (the product rule); PyTorch keeps tensors of the broadcast shape")
@@ -346,7 +359,9 @@ class NormalizeTwoCopies(torch.autograd.Function):
         ctx.x2 = session.packer.pack_fixed(x, bits, "normalize")
         ctx.n = session.packer.keep_exact(n, "normalize norm")  # (one value a row)
         ctx.conf = (dim, eps)
-        return x / n.clamp_min(eps)
+        y = x / n.clamp_min(eps)
+        setattr(y, _UNIT, True)  # (read by the routing's label of a product of two: above)
+        return y
 
     @staticmethod
     def backward(ctx, grad):

@@ -61,6 +61,7 @@ from actune.session.routing import (
     NARROW,
     ORDER_KEEPING_VIEWS,
     OUTSIDE_OPS,
+    SENSITIVE,
     FunctionMode,
     OpLabel,
     parameter_like,
@@ -77,8 +78,6 @@ __all__ = ["CompressionStats", "active_level", "allow_overwrite", "compressed", 
 _MATMUL = "matmul"
 _ZEROS = "zeros"  # a tensor >= 0 whose backward reads its exact zeros (rules/masks.py)
 _BOUNDARY = "checkpoint boundary"
-#: what a rule names as read where rounding noise is amplified (unit vectors' products)
-_SENSITIVE = "sensitive"
 
 
 def _NO_REF() -> None:  # noqa: N802 - a dead weak reference's stand-in
@@ -95,7 +94,7 @@ _WIDTHS: dict[str, Callable[[Level], int | None]] = {
     _MATMUL: lambda level: level.matmul_bits,
     NARROW: lambda level: level.narrow_width,
     _OTHER: lambda level: level.other_bits,
-    _SENSITIVE: lambda level: level.sensitive_width,
+    SENSITIVE: lambda level: level.sensitive_width,
     _ZEROS: _zero_code_bits,
 }
 

@@ -27,6 +27,7 @@ from actune.packing.kernels import COMPILE
 from actune.packing.kernels import compiling as _compiling
 from actune.rules import RULES, funcs_of, rule_for
 from actune.rules.matmuls import CONVS, PLAIN_CONVS
+from actune.rules.norms import unit_vectors
 from actune.substitutes.functions import arg, as_tuple
 from actune.traced import dispatch, traced
 
@@ -368,6 +369,9 @@ def _full_label(s, func, rule, args, kwargs) -> OpLabel:
     if (features and matmul and s.level is not None
             and _widens(s.level, func, args, kwargs)):
         kind = NARROW
+    elif (matmul and not with_weight and len(args) > 1
+          and all(isinstance(a, torch.Tensor) and unit_vectors(a) for a in args[:2])):
+        kind = SENSITIVE  # (a product of F.normalize's outputs: see unit_vectors)
     label = OpLabel(func, kind, only, refs, features, frozen, matmul and not with_weight)
     label.exact_ids = exact
     return label
@@ -474,6 +478,9 @@ def _operand(func, args):
 
 #: The kind of a layer's input that keeps :attr:`Level.narrow_width`.
 NARROW = "narrow"
+#: The kind of what a rule names as read where rounding noise is amplified (a product of unit
+#: vectors): :attr:`Level.sensitive_width`.
+SENSITIVE = "sensitive"
 
 
 def _widens(level, func, args, kwargs) -> bool:

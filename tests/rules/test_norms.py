@@ -306,3 +306,30 @@ def test_a_cosine_similarity_broadcast_along_its_dim_runs_as_pytorchs():
         got = F.cosine_similarity(z * 1.0, w * 1.0, dim=1)
     assert torch.equal(got, F.cosine_similarity(z, w, dim=1))
     assert "cosine_similarity" in stats[0].exact
+
+
+def test_a_product_of_normalized_vectors_takes_the_sensitive_width():
+    """Cosine attention's scores and a contrastive loss's similarities spelled
+    ``normalize(a) @ normalize(b).T``: both operands unit vectors, kept at the level's
+    sensitive width (4 bits at L3), not the matmul rule's 2, and still unbiased."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 64, 32, generator=gen).requires_grad_()
+    b = torch.randn(2, 64, 32, generator=gen).requires_grad_()
+
+    def fn(x, y):
+        return F.normalize(x * 1.0, dim=-1) @ F.normalize(y * 1.0, dim=-1).transpose(-2, -1)
+
+    stats = []
+    with actune.compressed("L3", stats=stats.append):
+        fn(a, b)
+    # the two operands, 2 x 64 x 32 each, at 4 bits and their groups' two 16-bit words
+    assert stats[0].by_kind.get("sensitive", 0) == 2 * (2 * 64 * 32 // 2 + 2 * 64 * 32 // 256 * 4)
+    # a product of two other activations keeps the matmul rule's width
+    plain = []
+    with actune.compressed("L3", stats=plain.append):
+        (a * 1.0) @ (b * 1.0).transpose(-2, -1)
+    assert "sensitive" not in plain[0].by_kind and plain[0].by_kind.get("matmul", 0) > 0
+    exact = exact_grads(fn, (a, b))
+    four = input_grads(fn, (a, b), "L3", 128)
+    for e, f in zip(exact, four, strict=True):
+        assert shrinks_like_noise(f, e[0], small=8, large=128) < 0.35
