@@ -89,6 +89,9 @@ def _zero_code_bits(level: Level) -> int | None:
     return bits if level.masks and bits is not None and bits >= 2 else None
 
 
+#: Rule bits whose width the bit allocator leaves as the level sets it.
+_FIXED_WIDTHS = frozenset({NARROW, SENSITIVE})
+
 #: Rule bits -> the level's width for them.
 _WIDTHS: dict[str, Callable[[Level], int | None]] = {
     _MATMUL: lambda level: level.matmul_bits,
@@ -259,7 +262,9 @@ class Session:
         # small spread) makes many times larger than the values (docs/autoprec.md)
         by_feature = op.features and (op.only_shape is not None or ap is None
                                       or not ap.splits_samples(t))
-        if ap is not None and kind is not NARROW:  # (a narrow input's width is fixed)
+        if ap is not None and kind not in _FIXED_WIDTHS:
+            # (a narrow input's width is fixed, and so is a product of unit vectors', as
+            # normalize's own copies are: outside the allocator's budget)
             return self.packer.pack_allocated(t, kind, by_feature, bits, op.features)
         zeros = kind == _ZEROS  # (accounted as PackedReLU's are)
         return self.packer.pack(t, bits, "relu" if zeros else _MATMUL if kind is NARROW
